@@ -1,0 +1,121 @@
+"""Atari 2600 games through ale-py's native vector env ("atari:Pong", "atari:MsPacman").
+
+The settings follow Machado et al. 2018 ("Revisiting the Arcade Learning
+Environment"), as gymnasium's ALE v5 envs do, and the usual DQN-style
+preprocessing. ale-py's AtariVectorEnv does the preprocessing in C++ threads;
+its defaults differ from v5 (no sticky actions, reward clipping, fire on
+reset), so every setting below is passed on purpose. Rewards stay raw: the
+learner clips them for training and keeps the raw episode return for reports.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any
+
+import numpy as np
+
+from envs.base import first_step
+from seedrl.codec import EnvStep
+from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
+
+# One place for the protocol; the README lists the same values.
+ATARI_SETTINGS: dict[str, Any] = {
+    "repeat_action_probability": 0.25,  # sticky actions (Machado et al.)
+    "frameskip": 4,  # each agent step repeats the action for 4 frames
+    "full_action_space": False,  # the game's minimal action set
+    "max_num_frames_per_episode": 108_000,  # 30 minutes of play, then truncation
+    "noop_max": 30,  # up to 30 no-op actions after each reset
+    "img_height": 84,
+    "img_width": 84,
+    "grayscale": True,
+    "maxpool": True,  # max over the last two frames of each skip (flicker)
+    "stack_num": 4,  # observation = the last 4 preprocessed frames
+    "episodic_life": False,  # an episode is a whole game, as in v5
+    "use_fire_reset": False,  # v5 does not press FIRE on reset
+    "reward_clipping": False,  # clipped on the learner; raw returns reported
+}
+
+
+def rom_name(name: str) -> str:
+    """ "MsPacman" or "ms_pacman" -> "ms_pacman", checked against the ROMs ale-py ships."""
+    from ale_py import roms
+
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    available = roms.get_all_rom_ids()
+    if snake not in available:
+        close = difflib.get_close_matches(snake, available, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"ale-py has no Atari ROM {snake!r} (from {name!r}){hint}")
+    return snake
+
+
+class AtariVectorEnv:
+    """K Atari games in one process, preprocessed by ale-py's C++ threads."""
+
+    def __init__(
+        self,
+        name: str,
+        num_envs: int,
+        seed: int | None = None,
+        num_threads: int = 1,
+        settings: dict[str, Any] | None = None,
+    ):
+        """`settings` overrides entries of ATARI_SETTINGS (departing from the protocol)."""
+        from ale_py.vector_env import AtariVectorEnv as AleVectorEnv
+
+        unknown = set(settings or {}) - set(ATARI_SETTINGS)
+        if unknown:
+            raise ValueError(f"unknown Atari settings {sorted(unknown)}")
+        self.num_envs = num_envs
+        self._seed = seed
+        self._env = AleVectorEnv(
+            rom_name(name),
+            num_envs,
+            num_threads=num_threads,
+            autoreset_mode="NextStep",
+            **{**ATARI_SETTINGS, **(settings or {})},
+        )
+        self.spec = EnvSpec(
+            env_id=f"atari:{name}",
+            observation=TensorSpec("uint8", self._env.single_observation_space.shape),
+            action=ActionSpec(int(self._env.single_action_space.n)),
+            frames_per_step=ATARI_SETTINGS["frameskip"],
+        )
+
+    def reset(self, seed: int | None = None) -> EnvStep:
+        observations, _ = self._env.reset(seed=self._seed if seed is None else seed)
+        return first_step(observations)
+
+    def step(self, actions: np.ndarray) -> EnvStep:
+        observations, rewards, terminated, truncated, _ = self._env.step(
+            np.asarray(actions, np.int32)
+        )
+        return EnvStep(
+            observations=observations,
+            rewards=rewards.astype(np.float32, copy=False),
+            terminated=terminated,
+            truncated=truncated,
+        )
+
+    def close(self) -> None:
+        self._env.close()
+
+
+def make(
+    name: str,
+    num_envs: int,
+    seed: int | None = None,
+    num_threads: int = 1,
+    settings: dict[str, Any] | None = None,
+) -> AtariVectorEnv:
+    return AtariVectorEnv(name, num_envs, seed=seed, num_threads=num_threads, settings=settings)
+
+
+def spec(name: str) -> EnvSpec:
+    env = AtariVectorEnv(name, num_envs=1)
+    try:
+        return env.spec
+    finally:
+        env.close()

@@ -1,0 +1,45 @@
+"""The interface every environment family gives the actor: K envs in lock step."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from seedrl.codec import EnvStep
+from seedrl.specs import EnvSpec
+
+
+class VectorEnv(Protocol):
+    """K environments stepped together, auto-resetting in next-step mode.
+
+    After a step whose observation is flagged terminated or truncated, the
+    next `step` ignores that env's action and returns the first observation
+    of a new episode with reward 0 and both flags clear. The final
+    observation of every episode is therefore seen, which the learner needs
+    to bootstrap through truncations.
+    """
+
+    spec: EnvSpec
+    num_envs: int
+
+    def reset(self, seed: int | None = None) -> EnvStep:
+        """Starts a new episode in every env; rewards 0, flags clear."""
+        ...
+
+    def step(self, actions: np.ndarray) -> EnvStep:
+        """Applies int32 [K] actions and returns what the K envs report."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def first_step(observations: np.ndarray) -> EnvStep:
+    """The EnvStep of K freshly reset envs."""
+    num_envs = observations.shape[0]
+    return EnvStep(
+        observations=observations,
+        rewards=np.zeros(num_envs, np.float32),
+        terminated=np.zeros(num_envs, np.bool_),
+        truncated=np.zeros(num_envs, np.bool_),
+    )

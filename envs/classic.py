@@ -1,0 +1,83 @@
+"""gymnasium's registered envs with discrete actions ("classic:CartPole-v1").
+
+Envs with a native vector implementation (CartPole) use it; the others run K
+copies in one process with gymnasium's SyncVectorEnv. Both auto-reset in
+next-step mode, the convention of the wire protocol.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from envs.base import first_step
+from seedrl.codec import EnvStep
+from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
+
+
+def _observation_dtype(space: gym.Space) -> np.dtype:
+    # float64 observations travel and train as float32.
+    return np.dtype(np.float32) if space.dtype == np.float64 else np.dtype(space.dtype)
+
+
+class ClassicVectorEnv:
+    """K gymnasium envs of one id, stepped together."""
+
+    def __init__(self, name: str, num_envs: int, seed: int | None = None):
+        if name not in gym.registry:
+            raise ValueError(f"gymnasium has no env {name!r}")
+        if gym.registry[name].vector_entry_point is not None:
+            env = gym.make_vec(name, num_envs=num_envs, vectorization_mode="vector_entry_point")
+        else:
+            env = gym.make_vec(
+                name,
+                num_envs=num_envs,
+                vectorization_mode="sync",
+                vector_kwargs={"autoreset_mode": AutoresetMode.NEXT_STEP},
+            )
+        if env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP) != AutoresetMode.NEXT_STEP:
+            raise ValueError(f"{name}: its vector env does not auto-reset in next-step mode")
+        if not isinstance(env.single_action_space, gym.spaces.Discrete):
+            raise ValueError(f"{name}: only discrete action spaces are supported")
+        if not isinstance(env.single_observation_space, gym.spaces.Box):
+            raise ValueError(f"{name}: only Box observation spaces are supported")
+        self._env = env
+        self._seed = seed
+        self._obs_dtype = _observation_dtype(env.single_observation_space)
+        self.num_envs = num_envs
+        self.spec = EnvSpec(
+            env_id=f"classic:{name}",
+            observation=TensorSpec(self._obs_dtype.name, env.single_observation_space.shape),
+            action=ActionSpec(int(env.single_action_space.n)),
+        )
+
+    def reset(self, seed: int | None = None) -> EnvStep:
+        observations, _ = self._env.reset(seed=self._seed if seed is None else seed)
+        return first_step(observations.astype(self._obs_dtype, copy=False))
+
+    def step(self, actions: np.ndarray) -> EnvStep:
+        observations, rewards, terminated, truncated, _ = self._env.step(
+            np.asarray(actions, np.int64)
+        )
+        return EnvStep(
+            observations=observations.astype(self._obs_dtype, copy=False),
+            rewards=np.asarray(rewards, np.float32),
+            terminated=np.asarray(terminated, np.bool_),
+            truncated=np.asarray(truncated, np.bool_),
+        )
+
+    def close(self) -> None:
+        self._env.close()
+
+
+def make(name: str, num_envs: int, seed: int | None = None) -> ClassicVectorEnv:
+    return ClassicVectorEnv(name, num_envs, seed=seed)
+
+
+def spec(name: str) -> EnvSpec:
+    env = ClassicVectorEnv(name, num_envs=1)
+    try:
+        return env.spec
+    finally:
+        env.close()

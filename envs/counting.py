@@ -1,0 +1,106 @@
+"""A deterministic env whose observations say exactly where they come from.
+
+"counting:v0" exists to test the system, not an agent: each observation
+carries the env's identity and position, so a test can check from the
+learner's unrolls alone that no step was lost, repeated, reordered or mixed
+across runs, and that every action reached the env it was meant for.
+
+Observation: float32 [6] (all values exact integers), indexed by the
+constants below. NONCE is random per env instance, so two runs of one actor
+never share it. Episode e of env i lasts 3 + (5e + 3i) mod 9 steps and ends by
+truncation when (e + i) mod 4 == 3, by termination otherwise. The reward of
+a step is 1 when the action taken equals (STEP of the previous observation)
+mod NUM_ACTIONS, else 0: a policy that reads the observation can earn the
+episode's full length. Auto-reset is next-step: the action after a final
+observation is ignored (LAST_ACTION becomes -1) and a new episode begins.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from envs.base import first_step
+from seedrl.codec import EnvStep
+from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
+
+NONCE, ENV_INDEX, EPISODE, STEP, TOTAL, LAST_ACTION = range(6)
+OBSERVATION_SIZE = 6
+NUM_ACTIONS = 3
+NAMES = ("v0",)
+
+
+def episode_length(env_index: np.ndarray, episode: np.ndarray) -> np.ndarray:
+    return 3 + (5 * episode + 3 * env_index) % 9
+
+
+def ends_by_truncation(env_index: np.ndarray, episode: np.ndarray) -> np.ndarray:
+    return (episode + env_index) % 4 == 3
+
+
+class CountingVectorEnv:
+    """K counting envs; pure numpy, microseconds per step."""
+
+    def __init__(self, num_envs: int, seed: int | None = None):
+        self.num_envs = num_envs
+        self.spec = spec("v0")
+        self._rng = np.random.default_rng(seed)
+        self._index = np.arange(num_envs, dtype=np.int64)
+        self.reset()
+
+    def _observation(self) -> np.ndarray:
+        observation = np.empty((self.num_envs, OBSERVATION_SIZE), np.float32)
+        observation[:, NONCE] = self._nonce
+        observation[:, ENV_INDEX] = self._index
+        observation[:, EPISODE] = self._episode
+        observation[:, STEP] = self._step
+        observation[:, TOTAL] = self._total
+        observation[:, LAST_ACTION] = self._last_action
+        return observation
+
+    def reset(self, seed: int | None = None) -> EnvStep:
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        # Below 2**24, so float32 holds it exactly.
+        self._nonce = self._rng.integers(1, 2**24, size=self.num_envs)
+        self._episode = np.zeros(self.num_envs, np.int64)
+        self._step = np.zeros(self.num_envs, np.int64)
+        self._total = np.zeros(self.num_envs, np.int64)
+        self._last_action = np.full(self.num_envs, -1, np.int64)
+        self._ended = np.zeros(self.num_envs, np.bool_)
+        return first_step(self._observation())
+
+    def step(self, actions: np.ndarray) -> EnvStep:
+        actions = np.asarray(actions, np.int64)
+        if actions.shape != (self.num_envs,):
+            raise ValueError(f"expected {self.num_envs} actions, got shape {actions.shape}")
+        if ((actions < 0) | (actions >= NUM_ACTIONS)).any():
+            raise ValueError(f"actions {actions.tolist()} fall outside 0..{NUM_ACTIONS - 1}")
+        restart = self._ended
+        rewards = np.where(restart, 0.0, actions == self._step % NUM_ACTIONS).astype(np.float32)
+        self._episode = np.where(restart, self._episode + 1, self._episode)
+        self._step = np.where(restart, 0, self._step + 1)
+        self._last_action = np.where(restart, -1, actions)
+        self._total += 1
+        over = self._step >= episode_length(self._index, self._episode)
+        truncated = over & ends_by_truncation(self._index, self._episode)
+        terminated = over & ~truncated
+        self._ended = over
+        return EnvStep(self._observation(), rewards, terminated, truncated)
+
+    def close(self) -> None:
+        pass
+
+
+def make(name: str, num_envs: int, seed: int | None = None) -> CountingVectorEnv:
+    spec(name)
+    return CountingVectorEnv(num_envs, seed=seed)
+
+
+def spec(name: str) -> EnvSpec:
+    if name not in NAMES:
+        raise ValueError(f"counting env {name!r} is unknown; names: {', '.join(NAMES)}")
+    return EnvSpec(
+        env_id=f"counting:{name}",
+        observation=TensorSpec("float32", (OBSERVATION_SIZE,)),
+        action=ActionSpec(NUM_ACTIONS),
+    )

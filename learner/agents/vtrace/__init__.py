@@ -1,0 +1,1 @@
+"""The IMPALA agent: an actor-critic trained with V-trace targets."""

@@ -1,0 +1,214 @@
+"""The V-trace agent's pure functions: acting, the loss, one update.
+
+Trajectories are time-major [T+1, B]: step t holds observation x_t, the
+action a_t the behaviour policy took in it, that action's log-probability,
+and the reward, `terminated` and `truncated` flags of the transition that
+led to x_t (the wire protocol's convention). Consecutive unrolls overlap by
+one step, so the last step of an unroll only bootstraps.
+
+Auto-reset is next-step: when x_t ends an episode, the transition t -> t+1
+goes to the first observation of a new episode, whatever a_t was. Such a
+transition is masked out of every loss term, and V-trace is told to treat
+x_t as the end of its trace (see `vtrace_inputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from learner.networks import PolicyOutput
+from learner.ops.vtrace import vtrace
+
+Params = Any
+ApplyFn = Callable[[Params, jax.Array], PolicyOutput]
+
+
+class Trajectories(NamedTuple):
+    """A training batch, time-major [T+1, B]."""
+
+    observations: jax.Array
+    """[T+1, B, *observation_shape]."""
+    actions: jax.Array
+    """int32 [T+1, B]: action taken at step t."""
+    behaviour_log_probs: jax.Array
+    """float32 [T+1, B]: log mu(a_t | x_t) of the policy that acted."""
+    rewards: jax.Array
+    """float32 [T+1, B]: raw reward of the transition into x_t."""
+    terminated: jax.Array
+    """bool [T+1, B]: x_t ends its episode; no bootstrapping from it."""
+    truncated: jax.Array
+    """bool [T+1, B]: x_t ends its episode by a time limit; bootstrap from V(x_t)."""
+
+
+class LossSettings(NamedTuple):
+    discount: float
+    lambda_: float
+    clip_rho_threshold: float | None
+    clip_pg_rho_threshold: float | None
+    baseline_cost: float
+    entropy_cost: float
+    reward_clipping: Literal["abs_one", "none"]
+
+
+class TrainState(NamedTuple):
+    params: Params
+    opt_state: optax.OptState
+    updates: jax.Array
+    """int32 scalar: updates applied so far (the policy version)."""
+
+
+def clip_rewards(rewards: jax.Array, mode: str) -> jax.Array:
+    if mode == "abs_one":
+        return jnp.clip(rewards, -1.0, 1.0)
+    if mode == "none":
+        return rewards
+    raise ValueError(f"unknown reward clipping {mode!r}")
+
+
+class VTraceInputs(NamedTuple):
+    log_rhos: jax.Array
+    discounts: jax.Array
+    rewards: jax.Array
+    values: jax.Array
+    bootstrap_value: jax.Array
+    mask: jax.Array
+    """[T, B] 1 where transition t is real, 0 where it is an auto-reset."""
+
+
+def vtrace_inputs(
+    batch: Trajectories,
+    target_log_probs: jax.Array,
+    values: jax.Array,
+    settings: LossSettings,
+) -> VTraceInputs:
+    """Aligns a [T+1, B] batch into the [T, B] transitions V-trace takes.
+
+    `target_log_probs` is [T, B] (steps 0..T-1), `values` is [T+1, B].
+    """
+    episode_ends = jnp.logical_or(batch.terminated, batch.truncated)[:-1]
+    mask = 1.0 - episode_ends.astype(jnp.float32)
+    values_t, bootstrap_value = values[:-1], values[-1]
+    rewards = clip_rewards(batch.rewards[1:], settings.reward_clipping)
+    # No bootstrapping past a termination; an auto-reset transition has no future at all.
+    discounts = settings.discount * (1.0 - batch.terminated[1:].astype(jnp.float32)) * mask
+    # At an auto-reset step, reward := V(x_t) and discount := 0 make V-trace's target
+    # there exactly V(x_t): delta_t = V(x_t) - V(x_t) = 0 and the trace stops. The step
+    # before it then bootstraps from V(x_t), which is right after a truncation (and
+    # multiplied by a zero discount after a termination).
+    rewards = jnp.where(episode_ends, jax.lax.stop_gradient(values_t), rewards)
+    log_rhos = target_log_probs - batch.behaviour_log_probs[:-1]
+    return VTraceInputs(log_rhos, discounts, rewards, values_t, bootstrap_value, mask)
+
+
+def loss_fn(
+    params: Params, apply_fn: ApplyFn, batch: Trajectories, settings: LossSettings
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The IMPALA loss, averaged over the T x B transitions of the batch."""
+    steps, batch_size = batch.actions.shape
+    flat_observations = batch.observations.reshape(
+        steps * batch_size, *batch.observations.shape[2:]
+    )
+    output = apply_fn(params, flat_observations)
+    logits = output.logits.reshape(steps, batch_size, -1)[:-1]
+    values = output.values.reshape(steps, batch_size)
+
+    log_policy = jax.nn.log_softmax(logits)
+    actions = batch.actions[:-1]
+    target_log_probs = jnp.take_along_axis(log_policy, actions[..., None], axis=-1)[..., 0]
+    inputs = vtrace_inputs(batch, target_log_probs, values, settings)
+    targets = vtrace(
+        inputs.log_rhos,
+        inputs.discounts,
+        inputs.rewards,
+        inputs.values,
+        inputs.bootstrap_value,
+        lambda_=settings.lambda_,
+        clip_rho_threshold=settings.clip_rho_threshold,
+        clip_pg_rho_threshold=settings.clip_pg_rho_threshold,
+    )
+    count = inputs.mask.size
+    policy_loss = -jnp.sum(target_log_probs * targets.pg_advantages * inputs.mask) / count
+    baseline_loss = 0.5 * jnp.sum(jnp.square(targets.vs - inputs.values) * inputs.mask) / count
+    entropy = -jnp.sum(jnp.exp(log_policy) * log_policy, axis=-1)
+    entropy_mean = jnp.sum(entropy * inputs.mask) / count
+    total = (
+        policy_loss + settings.baseline_cost * baseline_loss - settings.entropy_cost * entropy_mean
+    )
+    metrics = {
+        "loss": total,
+        "policy_loss": policy_loss,
+        "baseline_loss": baseline_loss,
+        "entropy": entropy_mean,
+        "value_mean": jnp.mean(values),
+        "rho_mean": jnp.sum(jnp.exp(inputs.log_rhos) * inputs.mask)
+        / jnp.maximum(jnp.sum(inputs.mask), 1.0),
+    }
+    return total, metrics
+
+
+def make_optimizer(
+    name: Literal["adam", "rmsprop"],
+    learning_rate: float | optax.Schedule,
+    max_grad_norm: float,
+    epsilon: float,
+    rmsprop_decay: float = 0.99,
+    momentum: float = 0.0,
+) -> optax.GradientTransformation:
+    if name == "adam":
+        optimizer = optax.adam(learning_rate, eps=epsilon)
+    elif name == "rmsprop":
+        optimizer = optax.rmsprop(
+            learning_rate, decay=rmsprop_decay, eps=epsilon, momentum=momentum or None
+        )
+    else:
+        raise ValueError(f"unknown optimizer {name!r}")
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
+
+
+def make_update_fn(
+    apply_fn: ApplyFn,
+    optimizer: optax.GradientTransformation,
+    settings: LossSettings,
+) -> Callable[[TrainState, Trajectories], tuple[TrainState, dict[str, jax.Array]]]:
+    """One jitted gradient step: (state, batch) -> (new state, metrics)."""
+
+    def update(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, apply_fn, batch, settings)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return TrainState(params, opt_state, state.updates + 1), metrics
+
+    return jax.jit(update)
+
+
+class PolicyStep(NamedTuple):
+    actions: jax.Array
+    """int32 [N]."""
+    log_probs: jax.Array
+    """float32 [N]: log-probability of each chosen action."""
+
+
+def make_policy_fn(
+    apply_fn: ApplyFn,
+) -> Callable[[Params, jax.Array, jax.Array], tuple[PolicyStep, jax.Array]]:
+    """Jitted sampling: (params, observations [N, ...], key) -> (PolicyStep, next key).
+
+    The key is split inside the program, so it never leaves the device.
+    """
+
+    def policy(
+        params: Params, observations: jax.Array, key: jax.Array
+    ) -> tuple[PolicyStep, jax.Array]:
+        key, sample_key = jax.random.split(key)
+        logits = apply_fn(params, observations).logits
+        actions = jax.random.categorical(sample_key, logits).astype(jnp.int32)
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=-1)
+        return PolicyStep(actions, log_probs[:, 0]), key
+
+    return jax.jit(policy)

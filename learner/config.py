@@ -1,0 +1,215 @@
+"""The learner's configuration: one frozen dataclass, presets, and its CLI.
+
+The CLI is generated from the dataclass by tyro, each field's docstring
+becoming its help. A preset supplies the defaults, picked from the env id's
+family unless --preset names one, so `seedrl-learner --env
+classic:CartPole-v1` alone trains well; any flag overrides the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+import tyro
+
+from learner.networks import NetworkName
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """Trains one agent with V-trace from the observations of a fleet of actors."""
+
+    # -- what and where ------------------------------------------------------
+    env: str = "atari:Pong"
+    """Environment id, FAMILY:NAME: atari:Pong (any ALE game), classic:CartPole-v1, counting:v0."""
+    preset: str = ""
+    """Defaults to start from: atari, classic or counting; empty: from the env's family."""
+    port: int = 8470
+    """TCP port of the gRPC server the actors connect to (0: any free port)."""
+    bind_address: str = "[::]"
+    """Address the gRPC server listens on; "[::]" is every interface (IPv4 and IPv6)."""
+    run_dir: str = ""
+    """Directory for metrics.jsonl and logs; empty: runs/ENV-TIMESTAMP."""
+    total_env_steps: int = 50_000_000
+    """Env steps (agent steps, summed over all envs of all actors) to train for; then exit."""
+    seed: int = 0
+    """Seed of the parameter initialisation and of action sampling."""
+    stop_at_return: float | None = None
+    """Also stop once the mean raw return of the last 100 episodes reaches this; None: never."""
+
+    # -- inference -----------------------------------------------------------
+    inference_batch_size: int = 64
+    """Most envs in one inference batch; an actor's K envs are never split."""
+    inference_timeout_ms: float = 5.0
+    """Longest wait, from the oldest request, for a batch to fill."""
+
+    # -- trajectories --------------------------------------------------------
+    unroll_length: int = 20
+    """T: transitions per unroll (an unroll holds T+1 steps, overlapping its successor by one)."""
+    batch_size: int = 32
+    """Unrolls per gradient update."""
+    unroll_queue_size: int = 64
+    """Most finished unrolls waiting for the trainer; when full, inference waits (backpressure)."""
+
+    # -- network -------------------------------------------------------------
+    network: NetworkName = "nature_cnn"
+    """Torso: nature_cnn or impala_resnet for images, mlp for vectors."""
+    mlp_hidden_sizes: tuple[int, ...] = (64, 64)
+    """Layer sizes of the mlp torso."""
+
+    # -- optimisation --------------------------------------------------------
+    optimizer: Literal["adam", "rmsprop"] = "adam"
+    """Optimiser, after global-norm gradient clipping."""
+    learning_rate: float = 4e-4
+    """Step size at the start of training."""
+    learning_rate_decay: bool = True
+    """Decay the learning rate linearly to 0 at total_env_steps."""
+    optimizer_epsilon: float = 1e-5
+    """Epsilon of Adam or RMSProp."""
+    rmsprop_decay: float = 0.99
+    """RMSProp's moving-average decay (ignored by Adam)."""
+    rmsprop_momentum: float = 0.0
+    """RMSProp's momentum (ignored by Adam)."""
+    max_grad_norm: float = 40.0
+    """Gradients are scaled down to this global norm when larger."""
+
+    # -- loss ----------------------------------------------------------------
+    discount: float = 0.99
+    """Discount per agent step."""
+    vtrace_lambda: float = 1.0
+    """V-trace's lambda: 1 is the paper's V-trace, lower cuts traces sooner."""
+    clip_rho_threshold: float | None = 1.0
+    """Clip of the importance weights in the value targets (rho-bar); None: no clip."""
+    clip_pg_rho_threshold: float | None = 1.0
+    """Clip of the importance weights in the policy gradient; None: no clip."""
+    baseline_cost: float = 0.5
+    """Weight of the value loss."""
+    entropy_cost: float = 0.01
+    """Weight of the entropy bonus."""
+    reward_clipping: Literal["abs_one", "none"] = "abs_one"
+    """Rewards for training: abs_one clips to [-1, 1]. Reported returns are always raw."""
+
+    # -- operation -----------------------------------------------------------
+    log_interval_s: float = 5.0
+    """Seconds between lines of metrics.jsonl and the console."""
+    hello_timeout_s: float = 30.0
+    """A new stream must send its hello within this time."""
+    max_envs_per_actor: int = 256
+    """Largest K an actor may bring (and at most inference_batch_size)."""
+
+    def __post_init__(self) -> None:
+        def require(condition: bool, message: str) -> None:
+            if not condition:
+                raise ValueError(message)
+
+        require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
+        require(self.total_env_steps > 0, "total_env_steps must be positive")
+        require(self.inference_batch_size >= 1, "inference_batch_size must be at least 1")
+        require(
+            self.inference_timeout_ms >= 0,
+            "inference_timeout_ms must not be negative (0: never wait for more requests)",
+        )
+        require(self.unroll_length >= 1, "unroll_length must be at least 1")
+        require(self.batch_size >= 1, "batch_size must be at least 1")
+        require(
+            self.unroll_queue_size >= self.batch_size,
+            f"unroll_queue_size ({self.unroll_queue_size}) must hold at least one batch "
+            f"({self.batch_size}), or the trainer would wait forever",
+        )
+        require(self.learning_rate > 0, "learning_rate must be positive")
+        require(self.max_grad_norm > 0, "max_grad_norm must be positive")
+        require(0.0 <= self.discount <= 1.0, f"discount {self.discount} is outside [0, 1]")
+        require(
+            0.0 <= self.vtrace_lambda <= 1.0,
+            f"vtrace_lambda {self.vtrace_lambda} is outside [0, 1]",
+        )
+        for name in ("clip_rho_threshold", "clip_pg_rho_threshold"):
+            value = getattr(self, name)
+            require(value is None or value > 0, f"{name} must be positive or None")
+        require(self.log_interval_s > 0, "log_interval_s must be positive")
+        require(self.max_envs_per_actor >= 1, "max_envs_per_actor must be at least 1")
+
+    @property
+    def inference_timeout_s(self) -> float:
+        return self.inference_timeout_ms / 1000.0
+
+    @property
+    def max_envs_per_stream(self) -> int:
+        """An actor's K envs travel and are batched together, so K is capped by both limits."""
+        return min(self.max_envs_per_actor, self.inference_batch_size)
+
+    def resolved_run_dir(self) -> str:
+        if self.run_dir:
+            return self.run_dir
+        name = self.env.replace(":", "-").replace("/", "-")
+        return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+PRESETS: dict[str, LearnerConfig] = {
+    # Nature CNN and the usual IMPALA-family settings (unroll 20, batch 32,
+    # discount 0.99, rewards clipped to [-1, 1], entropy 0.01, gradient norm 40).
+    "atari": LearnerConfig(env="atari:Pong"),
+    # Tuned on CartPole-v1 with 2 actors x 16 envs: mean return >= 475 at
+    # 128k-360k env steps over 8 runs (docs/architecture.md); the separate
+    # value torso of the mlp network mattered most.
+    "classic": LearnerConfig(
+        env="classic:CartPole-v1",
+        total_env_steps=500_000,
+        network="mlp",
+        mlp_hidden_sizes=(64, 64),
+        inference_batch_size=64,
+        inference_timeout_ms=2.0,
+        unroll_length=10,
+        batch_size=8,
+        unroll_queue_size=32,
+        learning_rate=2e-3,
+        reward_clipping="none",
+        entropy_cost=0.01,
+        log_interval_s=2.0,
+    ),
+    # For system tests: small and fast.
+    "counting": LearnerConfig(
+        env="counting:v0",
+        total_env_steps=1_000_000,
+        network="mlp",
+        mlp_hidden_sizes=(32,),
+        inference_batch_size=64,
+        inference_timeout_ms=2.0,
+        unroll_length=8,
+        batch_size=8,
+        unroll_queue_size=16,
+        learning_rate=1e-3,
+        reward_clipping="none",
+        log_interval_s=1.0,
+    ),
+}
+
+
+def preset_for(env_id: str, preset: str = "") -> LearnerConfig:
+    """The preset named `preset`, or the one of the env's family; env set to `env_id`."""
+    name = preset or env_id.partition(":")[0]
+    if name not in PRESETS:
+        raise ValueError(f"no preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    return dataclasses.replace(PRESETS[name], env=env_id, preset=name)
+
+
+def parse_cli(argv: Sequence[str] | None = None) -> LearnerConfig:
+    """LearnerConfig from command-line flags, on top of the preset they select."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--env", default=LearnerConfig.env)
+    peek.add_argument("--preset", default="")
+    known, _ = peek.parse_known_args(argv)
+    try:
+        defaults = preset_for(known.env, known.preset)
+    except ValueError as error:
+        raise SystemExit(f"seedrl-learner: {error}") from error
+    return tyro.cli(
+        LearnerConfig,
+        args=argv,
+        default=defaults,
+        prog="seedrl-learner",
+    )

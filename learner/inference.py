@@ -1,0 +1,189 @@
+"""The inference thread: batches in, actions out, unrolls on.
+
+It takes batches from the DynamicBatcher, copies their observations into a
+preallocated array padded to one of a few sizes (so XLA compiles a handful
+of programs, never one per batch size), runs the jitted policy with the
+newest parameters, and hands each stream its encoded reply. Then it appends
+the step to the UnrollStore and queues the unrolls that completed; when the
+queue is full it waits, which holds back the actors (backpressure).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from learner.batcher import DynamicBatcher, InferenceRequest
+from learner.stats import LearnerStats
+from learner.unroll_store import UnrollStore
+from seedrl.codec import ACTION_DTYPE, EnvStep
+from seedrl.proto import seedrl_pb2
+from seedrl.specs import TensorSpec
+
+logger = logging.getLogger(__name__)
+
+# What a request's reply is when the learner stops before answering it.
+FINISHED = object()
+
+
+def padded_sizes(max_batch: int) -> list[int]:
+    """Powers of two below `max_batch`, and `max_batch` itself."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_batch:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class ParameterSource:
+    """The newest parameters and their version; the trainer publishes, inference reads.
+
+    Publishing swaps one tuple, so a reader always sees a matching pair.
+    """
+
+    def __init__(self, params: Any, version: int = 0):
+        self._latest = (params, version)
+
+    def publish(self, params: Any, version: int) -> None:
+        self._latest = (params, version)
+
+    def latest(self) -> tuple[Any, int]:
+        return self._latest
+
+    @property
+    def version(self) -> int:
+        return self._latest[1]
+
+
+Deliver = Callable[[list[InferenceRequest], list[Any]], None]
+
+
+class InferenceLoop:
+    def __init__(
+        self,
+        policy_fn: Callable,
+        parameters: ParameterSource,
+        batcher: DynamicBatcher,
+        store: UnrollStore,
+        unrolls: queue.Queue,
+        observation_spec: TensorSpec,
+        deliver: Deliver,
+        stats: LearnerStats,
+        rng_key: jax.Array,
+    ):
+        self._policy_fn = policy_fn
+        self._parameters = parameters
+        self._batcher = batcher
+        self._store = store
+        self._unrolls = unrolls
+        self._deliver = deliver
+        self._stats = stats
+        self._key = rng_key
+        self._sizes = padded_sizes(batcher.max_batch_envs)
+        self._buffers = {
+            size: np.zeros((size, *observation_spec.shape), observation_spec.np_dtype)
+            for size in self._sizes
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
+
+    def warm_up(self) -> None:
+        """Compiles the policy for every padded size before actors are served."""
+        params, _ = self._parameters.latest()
+        for size in self._sizes:
+            step, self._key = self._policy_fn(params, self._buffers[size], self._key)
+            jax.block_until_ready(step)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops after the batch in hand; pending requests are answered FINISHED."""
+        self._stop.set()
+        self._batcher.close()
+        self._thread.join()
+        while batch := self._batcher.next_batch(0):
+            self._deliver(batch, [FINISHED] * len(batch))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            batch = self._batcher.next_batch(wait_s=0.1)
+            if not batch:
+                continue
+            try:
+                self._serve(batch)
+            except Exception as error:
+                logger.exception("inference failed for a batch of %d requests", len(batch))
+                self._deliver(batch, [error] * len(batch))
+
+    def _serve(self, batch: list[InferenceRequest]) -> None:
+        started = time.perf_counter()
+        num_envs = sum(request.num_envs for request in batch)
+        size = next(size for size in self._sizes if size >= num_envs)
+        observations = self._buffers[size]
+        offset = 0
+        for request in batch:
+            observations[offset : offset + request.num_envs] = request.step.observations
+            offset += request.num_envs
+
+        params, version = self._parameters.latest()
+        step, self._key = self._policy_fn(params, observations, self._key)
+        actions = np.asarray(step.actions)[:num_envs]
+        log_probs = np.asarray(step.log_probs)[:num_envs]
+        computed = time.perf_counter()
+
+        replies = []
+        offset = 0
+        for request in batch:
+            reply = seedrl_pb2.LearnerMessage(
+                actions=seedrl_pb2.Actions(
+                    actions=actions[offset : offset + request.num_envs]
+                    .astype(ACTION_DTYPE, copy=False)
+                    .tobytes(),
+                    policy_version=version,
+                )
+            )
+            replies.append(reply.SerializeToString())
+            offset += request.num_envs
+        self._deliver(batch, replies)
+
+        slots = np.concatenate([request.slots for request in batch])
+        owners = np.concatenate(
+            [np.full(request.num_envs, request.owner, np.int64) for request in batch]
+        )
+        step_of_batch = EnvStep(
+            observations=observations[:num_envs],
+            rewards=np.concatenate([r.step.rewards for r in batch]),
+            terminated=np.concatenate([r.step.terminated for r in batch]),
+            truncated=np.concatenate([r.step.truncated for r in batch]),
+        )
+        unrolls, episodes = self._store.append(
+            slots, owners, step_of_batch, actions, log_probs, version
+        )
+        self._stats.add_episodes(episodes.returns, episodes.lengths, episodes.env_steps)
+        served = time.perf_counter()
+        latency = sum(computed - request.arrival for request in batch)
+        self._stats.add("inference_batch_envs", num_envs)
+        self._stats.add("inference_latency_s", latency, len(batch))
+        self._stats.add_time("inference", served - started)
+
+        for unroll in unrolls:
+            self._enqueue(unroll)
+
+    def _enqueue(self, unroll: Any) -> None:
+        waited = time.perf_counter()
+        while not self._stop.is_set():
+            try:
+                self._unrolls.put(unroll, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self._stats.add_time("inference_blocked", time.perf_counter() - waited)

@@ -1,0 +1,241 @@
+"""The learner process: gRPC server, inference thread and trainer thread together.
+
+Threads: the asyncio event loop serves every actor stream (parsing, checks,
+replies); the inference thread batches and runs the policy; the trainer
+thread runs V-trace updates. JAX releases the GIL while it computes, so the
+three overlap. Parameters live on the learner's device; inference reads the
+newest ones at every batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+
+import grpc.aio
+import jax
+import numpy as np
+import optax
+
+from envs import registry
+from learner.agents.vtrace import learning
+from learner.batcher import DynamicBatcher
+from learner.config import LearnerConfig
+from learner.inference import InferenceLoop, ParameterSource
+from learner.metrics import MetricsLogger
+from learner.networks import make_network
+from learner.server import LearnerService
+from learner.stats import RETURN_WINDOW, LearnerStats
+from learner.trainer import Trainer
+from learner.unroll_store import UnrollStore
+from seedrl.specs import EnvSpec
+from seedrl.transport import server_options
+
+logger = logging.getLogger(__name__)
+
+
+def learning_rate_schedule(config: LearnerConfig) -> optax.Schedule:
+    if not config.learning_rate_decay:
+        return optax.constant_schedule(config.learning_rate)
+    total_updates = max(1, config.total_env_steps // (config.unroll_length * config.batch_size))
+    return optax.linear_schedule(config.learning_rate, 0.0, total_updates)
+
+
+def example_trajectories(config: LearnerConfig, env_spec: EnvSpec) -> learning.Trajectories:
+    """Zeros of the training batch's shapes, to compile the update ahead of time."""
+    steps, batch = config.unroll_length + 1, config.batch_size
+    return learning.Trajectories(
+        observations=np.zeros(
+            (steps, batch, *env_spec.observation.shape), env_spec.observation.np_dtype
+        ),
+        actions=np.zeros((steps, batch), np.int32),
+        behaviour_log_probs=np.zeros((steps, batch), np.float32),
+        rewards=np.zeros((steps, batch), np.float32),
+        terminated=np.zeros((steps, batch), np.bool_),
+        truncated=np.zeros((steps, batch), np.bool_),
+    )
+
+
+class Learner:
+    def __init__(self, config: LearnerConfig, env_spec: EnvSpec | None = None):
+        self.config = config
+        self.env_spec = env_spec or registry.spec(config.env)
+        self.run_dir = config.resolved_run_dir()
+        self.stats = LearnerStats()
+        self.port: int | None = None
+        self._failure: BaseException | None = None
+        self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+        spec = self.env_spec
+        network = make_network(config.network, spec.action.num_actions, config.mlp_hidden_sizes)
+        init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))
+        example_observation = np.zeros((1, *spec.observation.shape), spec.observation.np_dtype)
+        params = network.init(init_key, example_observation)
+        self._schedule = learning_rate_schedule(config)
+        optimizer = learning.make_optimizer(
+            config.optimizer,
+            self._schedule,
+            config.max_grad_norm,
+            config.optimizer_epsilon,
+            config.rmsprop_decay,
+            config.rmsprop_momentum,
+        )
+        settings = learning.LossSettings(
+            discount=config.discount,
+            lambda_=config.vtrace_lambda,
+            clip_rho_threshold=config.clip_rho_threshold,
+            clip_pg_rho_threshold=config.clip_pg_rho_threshold,
+            baseline_cost=config.baseline_cost,
+            entropy_cost=config.entropy_cost,
+            reward_clipping=config.reward_clipping,
+        )
+        state = learning.TrainState(params, optimizer.init(params), jax.numpy.int32(0))
+        self.parameters = ParameterSource(params, version=0)
+        self.unrolls: queue.Queue = queue.Queue(maxsize=config.unroll_queue_size)
+        self.store = UnrollStore(config.unroll_length, spec.observation)
+        self.batcher = DynamicBatcher(config.inference_batch_size, config.inference_timeout_s)
+        self.service = LearnerService(
+            env_spec=spec,
+            store=self.store,
+            batcher=self.batcher,
+            parameters=self.parameters,
+            stats=self.stats,
+            max_envs=config.max_envs_per_stream,
+            hello_timeout_s=config.hello_timeout_s,
+        )
+        self.inference = InferenceLoop(
+            policy_fn=learning.make_policy_fn(network.apply),
+            parameters=self.parameters,
+            batcher=self.batcher,
+            store=self.store,
+            unrolls=self.unrolls,
+            observation_spec=spec.observation,
+            deliver=self.service.deliver,
+            stats=self.stats,
+            rng_key=self._policy_key,
+        )
+        self.trainer = Trainer(
+            update_fn=learning.make_update_fn(network.apply, optimizer, settings),
+            state=state,
+            unrolls=self.unrolls,
+            batch_size=config.batch_size,
+            parameters=self.parameters,
+            stats=self.stats,
+            learning_rate=self._schedule,
+            on_failure=self._fail,
+        )
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        self._failure = error
+        if self._stopping is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+
+    def compile(self) -> None:
+        """Compiles inference for every padded batch size and the update, before serving."""
+        self.inference.warm_up()
+        self.trainer.warm_up(example_trajectories(self.config, self.env_spec))
+
+    async def run(self, ready: asyncio.Event | None = None, train: bool = True) -> int:
+        """Serves and trains until total_env_steps, a signal, or a failure; the exit code.
+
+        With `train=False` nothing consumes `self.unrolls`: the caller does (tests,
+        serving benchmarks), or inference stalls once the queue is full.
+        """
+        config = self.config
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "config.json"), "w") as file:
+            json.dump(dataclasses.asdict(config), file, indent=2)
+        metrics = MetricsLogger(
+            os.path.join(self.run_dir, "metrics.jsonl"),
+            self.stats,
+            self.env_spec.frames_per_step,
+            config.total_env_steps,
+        )
+        self.service.bind_loop(self._loop)
+        server = grpc.aio.server(options=server_options())
+        server.add_generic_rpc_handlers((self.service.handlers(),))
+        address = f"{config.bind_address}:{config.port}"
+        self.port = server.add_insecure_port(address)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # Off the main thread (tests) there are no signals: the caller stops us.
+            with contextlib.suppress(RuntimeError, ValueError):
+                self._loop.add_signal_handler(signum, self._stopping.set)
+
+        self.inference.start()
+        if train:
+            self.trainer.start()
+        await server.start()
+        logger.info(
+            "learner %s serving %s on port %d; run dir %s",
+            self.service.learner_id,
+            config.env,
+            self.port,
+            self.run_dir,
+        )
+        if ready is not None:
+            ready.set()
+        finished = False
+        try:
+            while not self._stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), config.log_interval_s)
+                record = metrics.record()
+                record["unroll_queue_depth"] = self.unrolls.qsize()
+                metrics.write(record)
+                print(metrics.console_line(record), flush=True)
+                if record["env_steps"] >= config.total_env_steps:
+                    finished = True
+                    logger.info("reached %d env steps: training finished", config.total_env_steps)
+                    break
+                if self._return_reached(record):
+                    finished = True
+                    logger.info(
+                        "mean return %.2f of the last %d episodes reached %.2f: training finished",
+                        record["episode_return_mean"],
+                        RETURN_WINDOW,
+                        config.stop_at_return,
+                    )
+                    break
+        finally:
+            await self._shutdown(server, finished)
+            record = metrics.record()
+            record["unroll_queue_depth"] = self.unrolls.qsize()
+            metrics.write(record)
+            metrics.close()
+        if self._failure is not None:
+            logger.error("the learner stopped because of: %r", self._failure)
+            return 1
+        return 0
+
+    def _return_reached(self, record: dict) -> bool:
+        target = self.config.stop_at_return
+        return (
+            target is not None
+            and record["episodes"] >= RETURN_WINDOW
+            and record["episode_return_mean"] >= target
+        )
+
+    async def _shutdown(self, server: grpc.aio.Server, finished: bool) -> None:
+        # Streams end with OK (actors exit) when training finished; otherwise the
+        # server's stop cancels them (actors retry until a learner is back).
+        if finished:
+            self.service.finish()
+        await asyncio.to_thread(self.trainer.stop)
+        await asyncio.to_thread(self.inference.stop)
+        await server.stop(grace=2.0 if finished else 0.5)
+
+    def stop(self) -> None:
+        """Asks a running learner to stop (thread-safe)."""
+        if self._stopping is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)

@@ -1,0 +1,33 @@
+"""seedrl-learner: parse the configuration, build the learner, run it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from learner.config import parse_cli
+
+    config = parse_cli(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # jax reports at INFO each accelerator plugin it did not find.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    from learner.learner import Learner
+
+    learner = Learner(config)
+    logging.getLogger("learner").info(
+        "compiling inference and the update for %s (%s)...", config.env, config.network
+    )
+    learner.compile()
+    sys.exit(asyncio.run(learner.run()))
+
+
+if __name__ == "__main__":
+    main()

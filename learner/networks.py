@@ -1,0 +1,119 @@
+"""Torsos and the actor-critic head, in flax.
+
+Image observations arrive as the actors send them: uint8 [B, C, H, W] with the
+stacked frames as channels (ale-py's layout). They are scaled to [0, 1] and
+moved to channels-last, the layout XLA's convolutions prefer, inside the
+network, so the wire and the unroll store keep the compact uint8 form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+NetworkName = Literal["nature_cnn", "impala_resnet", "mlp"]
+
+
+def _images_to_float(observations: jax.Array) -> jax.Array:
+    """uint8 [B, C, H, W] -> float32 [B, H, W, C] in [0, 1]."""
+    return jnp.transpose(observations.astype(jnp.float32) / 255.0, (0, 2, 3, 1))
+
+
+class NatureCNN(nn.Module):
+    """The DQN torso of Mnih et al. 2015: three convolutions and a 512-unit layer."""
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        x = _images_to_float(observations)
+        x = nn.relu(nn.Conv(32, (8, 8), strides=(4, 4), padding="VALID")(x))
+        x = nn.relu(nn.Conv(64, (4, 4), strides=(2, 2), padding="VALID")(x))
+        x = nn.relu(nn.Conv(64, (3, 3), strides=(1, 1), padding="VALID")(x))
+        x = x.reshape(x.shape[0], -1)
+        return nn.relu(nn.Dense(512)(x))
+
+
+class _ResidualBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(x))
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(y))
+        return x + y
+
+
+class ImpalaResNet(nn.Module):
+    """The deep torso of the IMPALA paper (figure 3, right): 15 convolutions."""
+
+    channels: Sequence[int] = (16, 32, 32)
+    hidden_size: int = 256
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        x = _images_to_float(observations)
+        for channels in self.channels:
+            x = nn.Conv(channels, (3, 3))(x)
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+            x = _ResidualBlock(channels)(x)
+            x = _ResidualBlock(channels)(x)
+        x = nn.relu(x).reshape(x.shape[0], -1)
+        return nn.relu(nn.Dense(self.hidden_size)(x))
+
+
+class MLP(nn.Module):
+    """A torso for vector observations [B, D] (any float or int dtype)."""
+
+    hidden_sizes: Sequence[int] = (64, 64)
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        x = observations.reshape(observations.shape[0], -1).astype(jnp.float32)
+        for size in self.hidden_sizes:
+            x = nn.tanh(nn.Dense(size)(x))
+        return x
+
+
+class PolicyOutput(NamedTuple):
+    logits: jax.Array
+    """[B, num_actions] unnormalised log-probabilities."""
+    values: jax.Array
+    """[B] state values V(x)."""
+
+
+class ActorCritic(nn.Module):
+    """A torso followed by a policy head and a value head.
+
+    With `value_torso`, the value head has a torso of its own. Vector tasks
+    use that: their unclipped returns make value gradients far larger than
+    policy gradients, and a shared torso would be shaped by the value alone.
+    """
+
+    torso: nn.Module
+    num_actions: int
+    value_torso: nn.Module | None = None
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> PolicyOutput:
+        features = self.torso(observations)
+        value_features = features if self.value_torso is None else self.value_torso(observations)
+        # Small initial logits: the first policy is near uniform.
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(features)
+        values = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(value_features)
+        return PolicyOutput(logits=logits, values=values[:, 0])
+
+
+def make_network(
+    name: NetworkName, num_actions: int, mlp_hidden_sizes: Sequence[int] = (64, 64)
+) -> ActorCritic:
+    if name == "nature_cnn":
+        return ActorCritic(torso=NatureCNN(), num_actions=num_actions)
+    if name == "impala_resnet":
+        return ActorCritic(torso=ImpalaResNet(), num_actions=num_actions)
+    if name == "mlp":
+        hidden = tuple(mlp_hidden_sizes)
+        return ActorCritic(torso=MLP(hidden), num_actions=num_actions, value_torso=MLP(hidden))
+    raise ValueError(f"unknown network {name!r}; choose one of nature_cnn, impala_resnet, mlp")

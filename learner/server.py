@@ -1,0 +1,290 @@
+"""The learner's gRPC service: one bidirectional stream per actor.
+
+The handler receives raw bytes and parses them itself, so that a message that
+is not even protobuf ends its stream with a status naming the fault rather
+than grpc's generic deserialisation error. Nothing a peer sends can raise
+out of a handler except as a status for that one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+
+import grpc
+import grpc.aio
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from learner.batcher import DynamicBatcher, InferenceRequest
+from learner.inference import FINISHED, ParameterSource
+from learner.stats import LearnerStats
+from learner.unroll_store import UnrollStore
+from seedrl.codec import StepCodec, WireError
+from seedrl.proto import seedrl_pb2
+from seedrl.specs import PROTOCOL_VERSION, ActionSpec, EnvSpec, SpecError, TensorSpec
+from seedrl.transport import SERVICE_NAME, STREAM_METHOD
+
+logger = logging.getLogger(__name__)
+
+HISTORY_SIZE = 10_000
+
+
+class StreamRefused(Exception):
+    """Ends a stream with `code` and a message that names the fault."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def parse_message(raw: bytes, what: str) -> seedrl_pb2.ActorMessage:
+    message = seedrl_pb2.ActorMessage()
+    try:
+        message.ParseFromString(raw)
+    except DecodeError as error:
+        raise StreamRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{what} is not a valid ActorMessage ({len(raw)} bytes): {error}",
+        ) from error
+    return message
+
+
+def check_hello(
+    message: seedrl_pb2.ActorMessage, env_spec: EnvSpec, max_envs: int
+) -> seedrl_pb2.Hello:
+    """The hello of a stream's first message, or StreamRefused saying why not."""
+    kind = message.WhichOneof("message")
+    if kind != "hello":
+        raise StreamRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the first message must be a hello, got {kind or 'an empty message'}",
+        )
+    hello = message.hello
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise StreamRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"protocol version {hello.protocol_version} is not supported; "
+            f"this learner speaks version {PROTOCOL_VERSION}",
+        )
+    if not hello.actor_id or not hello.run_id:
+        raise StreamRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, "the hello must carry an actor_id and a run_id"
+        )
+    if not 1 <= hello.num_envs <= max_envs:
+        raise StreamRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"num_envs {hello.num_envs} is outside 1..{max_envs} (this learner's limit)",
+        )
+    if hello.env_id != env_spec.env_id:
+        raise StreamRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"env {hello.env_id!r} does not match the learner's env {env_spec.env_id!r}",
+        )
+    try:
+        observation = TensorSpec.from_proto(hello.observation_spec)
+        action = ActionSpec.from_proto(hello.action_spec)
+    except SpecError as error:
+        raise StreamRefused(
+            grpc.StatusCode.INVALID_ARGUMENT, f"bad spec in hello: {error}"
+        ) from error
+    if observation != env_spec.observation:
+        raise StreamRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"observation spec {observation} does not match the learner's {env_spec.observation}",
+        )
+    if action != env_spec.action:
+        raise StreamRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"action spec {action} does not match the learner's {env_spec.action}",
+        )
+    return hello
+
+
+@dataclasses.dataclass
+class ActorStream:
+    """A connected actor, as the learner sees it."""
+
+    owner: int
+    actor_id: str
+    run_id: str
+    hostname: str
+    pid: int
+    peer: str
+    num_envs: int
+    slots: np.ndarray
+    connected_at: float = dataclasses.field(default_factory=time.time)
+    steps: int = 0
+    superseded_by: str = ""
+
+
+class LearnerService:
+    """Handles every actor stream; the event loop's side of the learner."""
+
+    def __init__(
+        self,
+        env_spec: EnvSpec,
+        store: UnrollStore,
+        batcher: DynamicBatcher,
+        parameters: ParameterSource,
+        stats: LearnerStats,
+        max_envs: int,
+        hello_timeout_s: float,
+    ):
+        self.env_spec = env_spec
+        self.learner_id = uuid.uuid4().hex[:12]
+        self._store = store
+        self._batcher = batcher
+        self._parameters = parameters
+        self._stats = stats
+        self._max_envs = max_envs
+        self._hello_timeout_s = hello_timeout_s
+        self._owners = itertools.count(1)
+        self.streams: dict[int, ActorStream] = {}
+        # Every stream accepted (bounded): owner -> (actor id, run id), to name unrolls.
+        self.history: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
+        self.finished = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        # No (de)serialisers: the handler gets and returns raw bytes.
+        handler = grpc.stream_stream_rpc_method_handler(self.stream)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {STREAM_METHOD: handler})
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def deliver(self, batch: list[InferenceRequest], replies: list) -> None:
+        """Called by the inference thread: hands each request its reply."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(_resolve, batch, replies)
+
+    def finish(self) -> None:
+        """Training is over: streams end with OK at their next message."""
+        self.finished = True
+
+    async def stream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        del request_iterator  # read through the context, which can time out
+        actor: ActorStream | None = None
+        try:
+            actor = await self._accept(context)
+            await self._serve(actor, context)
+        except StreamRefused as refusal:
+            if actor is None:
+                self._stats.count_rejection()
+            who = f"actor {actor.actor_id} run {actor.run_id}" if actor else context.peer()
+            logger.warning("stream of %s ended: %s: %s", who, refusal.code.name, refusal)
+            await context.abort(refusal.code, str(refusal))
+        finally:
+            if actor is not None:
+                self._disconnect(actor)
+
+    async def _accept(self, context: grpc.aio.ServicerContext) -> ActorStream:
+        try:
+            raw = await asyncio.wait_for(context.read(), self._hello_timeout_s)
+        except TimeoutError as error:
+            raise StreamRefused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no hello within {self._hello_timeout_s:g} s of opening the stream",
+            ) from error
+        if raw is grpc.aio.EOF:
+            raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, "stream closed before its hello")
+        if self.finished:
+            raise StreamRefused(grpc.StatusCode.UNAVAILABLE, "training has finished")
+        hello = check_hello(parse_message(raw, "the first message"), self.env_spec, self._max_envs)
+        owner = next(self._owners)
+        actor = ActorStream(
+            owner=owner,
+            actor_id=hello.actor_id,
+            run_id=hello.run_id,
+            hostname=hello.hostname,
+            pid=hello.pid,
+            peer=context.peer(),
+            num_envs=hello.num_envs,
+            slots=self._store.allocate(owner, hello.num_envs),
+        )
+        for other in self.streams.values():
+            if other.actor_id == actor.actor_id:
+                # The same actor again, with a new run: its old stream is stale.
+                other.superseded_by = actor.run_id
+        self.streams[owner] = actor
+        self.history[owner] = (actor.actor_id, actor.run_id)
+        while len(self.history) > HISTORY_SIZE:
+            self.history.popitem(last=False)
+        self._batcher.stream_opened()
+        self._stats.stream_change(actors=1, envs=actor.num_envs)
+        logger.info(
+            "actor %s run %s connected from %s (%s) with %d envs",
+            actor.actor_id,
+            actor.run_id,
+            actor.hostname,
+            actor.peer,
+            actor.num_envs,
+        )
+        welcome = seedrl_pb2.LearnerMessage(
+            welcome=seedrl_pb2.Welcome(
+                action_spec=self.env_spec.action.to_proto(),
+                policy_version=self._parameters.version,
+                learner_id=self.learner_id,
+            )
+        )
+        await context.write(welcome.SerializeToString())
+        return actor
+
+    async def _serve(self, actor: ActorStream, context: grpc.aio.ServicerContext) -> None:
+        codec = StepCodec(self.env_spec.observation, self.env_spec.action, actor.num_envs)
+        loop = asyncio.get_running_loop()
+        while True:
+            raw = await context.read()
+            if raw is grpc.aio.EOF or self.finished:
+                return
+            if actor.superseded_by:
+                raise StreamRefused(
+                    grpc.StatusCode.ABORTED,
+                    f"actor {actor.actor_id} reconnected as run {actor.superseded_by}; "
+                    f"this stream of run {actor.run_id} is stale",
+                )
+            message = parse_message(raw, f"message {actor.steps + 1}")
+            kind = message.WhichOneof("message")
+            if kind != "step":
+                raise StreamRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"message {actor.steps + 1} must be a step, got {kind or 'an empty message'}",
+                )
+            try:
+                step = codec.decode_step(message.step)
+            except WireError as error:
+                raise StreamRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"step {actor.steps + 1}: {error}"
+                ) from error
+            reply = loop.create_future()
+            self._batcher.submit(InferenceRequest(actor.owner, actor.slots, step, reply))
+            result = await reply
+            if result is FINISHED:
+                return
+            if isinstance(result, BaseException):
+                raise StreamRefused(
+                    grpc.StatusCode.INTERNAL, f"inference failed on the learner: {result}"
+                )
+            actor.steps += 1
+            await context.write(result)
+
+    def _disconnect(self, actor: ActorStream) -> None:
+        self.streams.pop(actor.owner, None)
+        self._batcher.stream_closed()
+        self._store.release(actor.owner, actor.slots)
+        self._stats.stream_change(actors=-1, envs=-actor.num_envs)
+        logger.info(
+            "actor %s run %s disconnected after %d steps", actor.actor_id, actor.run_id, actor.steps
+        )
+
+
+def _resolve(batch: list[InferenceRequest], replies: list) -> None:
+    for request, reply in zip(batch, replies, strict=True):
+        if not request.reply.done():
+            request.reply.set_result(reply)

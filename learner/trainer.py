@@ -1,0 +1,112 @@
+"""The trainer thread: unrolls in, one jitted V-trace update per batch, parameters out."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from learner.agents.vtrace.learning import TrainState, Trajectories
+from learner.inference import ParameterSource
+from learner.stats import LearnerStats
+from learner.unroll_store import Unroll
+
+logger = logging.getLogger(__name__)
+
+
+def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
+    """B unrolls of [T+1] steps -> time-major [T+1, B] trajectories, and their policy versions."""
+
+    def stack(field: str) -> np.ndarray:
+        return np.stack([getattr(unroll, field) for unroll in unrolls], axis=1)
+
+    trajectories = Trajectories(
+        observations=stack("observations"),
+        actions=stack("actions"),
+        behaviour_log_probs=stack("behaviour_log_probs"),
+        rewards=stack("rewards"),
+        terminated=stack("terminated"),
+        truncated=stack("truncated"),
+    )
+    return trajectories, stack("policy_versions")
+
+
+class Trainer:
+    def __init__(
+        self,
+        update_fn: Callable,
+        state: TrainState,
+        unrolls: queue.Queue,
+        batch_size: int,
+        parameters: ParameterSource,
+        stats: LearnerStats,
+        learning_rate: Callable[[int], float],
+        on_failure: Callable[[BaseException], None],
+    ):
+        self.state = state
+        self._update_fn = update_fn
+        self._unrolls = unrolls
+        self._batch_size = batch_size
+        self._parameters = parameters
+        self._stats = stats
+        self._learning_rate = learning_rate
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+
+    def warm_up(self, example: Trajectories) -> None:
+        """Compiles the update on a batch of the right shapes (the result is discarded)."""
+        jax.block_until_ready(self._update_fn(self.state, example))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _next_batch(self) -> list[Unroll] | None:
+        batch: list[Unroll] = []
+        while len(batch) < self._batch_size:
+            try:
+                batch.append(self._unrolls.get(timeout=0.1))
+            except queue.Empty:
+                if self._stop.is_set():
+                    return None
+        return batch
+
+    def _run(self) -> None:
+        try:
+            while True:
+                waited = time.perf_counter()
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                started = time.perf_counter()
+                self._stats.add_time("trainer_waiting", started - waited)
+                self._train(batch)
+                self._stats.add_time("training", time.perf_counter() - started)
+        except BaseException as error:
+            logger.exception("the trainer failed")
+            self._on_failure(error)
+
+    def _train(self, batch: list[Unroll]) -> None:
+        trajectories, versions = stack_unrolls(batch)
+        version = int(self.state.updates)
+        self.state, metrics = self._update_fn(self.state, trajectories)
+        new_version = version + 1
+        self._parameters.publish(self.state.params, new_version)
+        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        metrics["learning_rate"] = float(self._learning_rate(version))
+        # Lag: updates between the parameters that acted and those that learnt from it.
+        lag = version - versions[:-1]
+        metrics["policy_lag"] = float(lag.mean())
+        self._stats.add("policy_lag_max", float(lag.max()))
+        self._stats.add_many(metrics)
+        self._stats.set_updates(new_version)

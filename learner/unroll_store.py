@@ -1,0 +1,213 @@
+"""Learner-side assembly of unrolls, one env slot at a time.
+
+Every env of every connected actor owns a slot. After each inference batch
+the store appends, per slot, the observation, the action chosen for it, that
+action's log-probability, the reward and flags that came with the
+observation, and the policy version. When a slot holds T+1 steps it emits an
+unroll and keeps its last step as the first of the next one (the one-step
+overlap: the last step of an unroll is only bootstrapped from).
+
+A slot belongs to one stream (one run of one actor). When a stream ends its
+slots are freed and their partial unrolls dropped; a new run gets fresh slots
+and so never continues an old run's unroll. Each slot records its owner, and
+appends for a slot whose owner has changed since the batch was formed are
+dropped, so a batch still in flight when its stream ended cannot write into
+the slot's next owner.
+
+Episode returns are kept here too, from the raw rewards, since the store sees
+every step of every env in order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from seedrl.codec import EnvStep
+from seedrl.specs import TensorSpec
+
+FREE = -1
+
+
+class Unroll(NamedTuple):
+    """T+1 consecutive steps of one env, in time order."""
+
+    observations: np.ndarray
+    """[T+1, *observation_shape]."""
+    actions: np.ndarray
+    """int32 [T+1]."""
+    behaviour_log_probs: np.ndarray
+    """float32 [T+1]."""
+    rewards: np.ndarray
+    """float32 [T+1], raw."""
+    terminated: np.ndarray
+    """bool [T+1]."""
+    truncated: np.ndarray
+    """bool [T+1]."""
+    policy_versions: np.ndarray
+    """int64 [T+1]: version of the parameters that chose each action."""
+    owner: int
+    """The stream whose env produced it."""
+
+
+class EpisodeStats(NamedTuple):
+    returns: list[float]
+    """Raw (unclipped) returns of the episodes that ended."""
+    lengths: list[int]
+    """Their lengths in agent steps."""
+    env_steps: int
+    """Transitions seen (observations that are not the first of an episode)."""
+
+
+class UnrollStore:
+    """Per-slot ring of the current unroll; thread-safe."""
+
+    def __init__(self, unroll_length: int, observation_spec: TensorSpec, initial_slots: int = 64):
+        if unroll_length < 1:
+            raise ValueError(f"unroll_length must be at least 1, got {unroll_length}")
+        self.unroll_length = unroll_length
+        self._observation_spec = observation_spec
+        self._lock = threading.Lock()
+        self._capacity = 0
+        self._free: deque[int] = deque()
+        self._allocate_arrays(max(1, initial_slots))
+
+    # -- slots --------------------------------------------------------------
+
+    def _allocate_arrays(self, capacity: int) -> None:
+        steps = self.unroll_length + 1
+        shape = self._observation_spec.shape
+
+        def grow(old: np.ndarray | None, new_shape: tuple[int, ...], dtype, fill=0) -> np.ndarray:
+            array = np.full(new_shape, fill, dtype)
+            if old is not None:
+                array[: old.shape[0]] = old
+            return array
+
+        get = self.__dict__.get
+        self._observations = grow(
+            get("_observations"), (capacity, steps, *shape), self._observation_spec.np_dtype
+        )
+        self._actions = grow(get("_actions"), (capacity, steps), np.int32)
+        self._log_probs = grow(get("_log_probs"), (capacity, steps), np.float32)
+        self._rewards = grow(get("_rewards"), (capacity, steps), np.float32)
+        self._terminated = grow(get("_terminated"), (capacity, steps), np.bool_)
+        self._truncated = grow(get("_truncated"), (capacity, steps), np.bool_)
+        self._versions = grow(get("_versions"), (capacity, steps), np.int64)
+        self._length = grow(get("_length"), (capacity,), np.int64)
+        self._owner = grow(get("_owner"), (capacity,), np.int64, FREE)
+        # Episode bookkeeping: whether the next observation starts an episode.
+        self._episode_start = grow(get("_episode_start"), (capacity,), np.bool_, True)
+        self._episode_return = grow(get("_episode_return"), (capacity,), np.float64)
+        self._episode_length = grow(get("_episode_length"), (capacity,), np.int64)
+        self._free.extend(range(self._capacity, capacity))
+        self._capacity = capacity
+
+    def allocate(self, owner: int, count: int) -> np.ndarray:
+        """`count` empty slots for the stream `owner`."""
+        with self._lock:
+            # First in, first out: a freed slot is reused as late as possible.
+            if len(self._free) < count:
+                self._allocate_arrays(max(2 * self._capacity, self._capacity + count))
+            slots = np.array([self._free.popleft() for _ in range(count)], np.int64)
+            self._owner[slots] = owner
+            self._length[slots] = 0
+            self._episode_start[slots] = True
+            self._episode_return[slots] = 0.0
+            self._episode_length[slots] = 0
+            return slots
+
+    def release(self, owner: int, slots: np.ndarray) -> None:
+        """Frees the slots of a stream that ended, dropping its partial unrolls."""
+        with self._lock:
+            mine = slots[self._owner[slots] == owner]
+            self._owner[mine] = FREE
+            self._length[mine] = 0
+            self._free.extend(mine.tolist())
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return self._capacity - len(self._free)
+
+    # -- steps --------------------------------------------------------------
+
+    def append(
+        self,
+        slots: np.ndarray,
+        owners: np.ndarray,
+        step: EnvStep,
+        actions: np.ndarray,
+        log_probs: np.ndarray,
+        policy_version: int,
+    ) -> tuple[list[Unroll], EpisodeStats]:
+        """Appends one step for each of N slots; returns the unrolls completed.
+
+        `slots` and `owners` are int [N]; the arrays of `step` and `actions`,
+        `log_probs` have N as leading dimension.
+        """
+        with self._lock:
+            live = self._owner[slots] == owners
+            if not live.all():
+                slots = slots[live]
+                step = EnvStep(*(array[live] for array in step))
+                actions, log_probs = actions[live], log_probs[live]
+            position = self._length[slots]
+            self._observations[slots, position] = step.observations
+            self._actions[slots, position] = actions
+            self._log_probs[slots, position] = log_probs
+            self._rewards[slots, position] = step.rewards
+            self._terminated[slots, position] = step.terminated
+            self._truncated[slots, position] = step.truncated
+            self._versions[slots, position] = policy_version
+            self._length[slots] = position + 1
+            stats = self._count_episodes(slots, step)
+            full = slots[position + 1 == self.unroll_length + 1]
+            return [self._emit(slot) for slot in full.tolist()], stats
+
+    def _count_episodes(self, slots: np.ndarray, step: EnvStep) -> EpisodeStats:
+        transition = ~self._episode_start[slots]
+        self._episode_return[slots] += np.where(transition, step.rewards, 0.0)
+        self._episode_length[slots] += transition
+        ended = slots[step.terminated | step.truncated]
+        stats = EpisodeStats(
+            returns=self._episode_return[ended].tolist(),
+            lengths=self._episode_length[ended].tolist(),
+            env_steps=int(transition.sum()),
+        )
+        self._episode_return[ended] = 0.0
+        self._episode_length[ended] = 0
+        self._episode_start[slots] = step.terminated | step.truncated
+        return stats
+
+    def _emit(self, slot: int) -> Unroll:
+        last = self.unroll_length
+        unroll = Unroll(
+            observations=self._observations[slot].copy(),
+            actions=self._actions[slot].copy(),
+            behaviour_log_probs=self._log_probs[slot].copy(),
+            rewards=self._rewards[slot].copy(),
+            terminated=self._terminated[slot].copy(),
+            truncated=self._truncated[slot].copy(),
+            policy_versions=self._versions[slot].copy(),
+            owner=int(self._owner[slot]),
+        )
+        for array in (
+            self._observations,
+            self._actions,
+            self._log_probs,
+            self._rewards,
+            self._terminated,
+            self._truncated,
+            self._versions,
+        ):
+            array[slot, 0] = array[slot, last]
+        self._length[slot] = 1
+        return unroll

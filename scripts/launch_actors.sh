@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Starts N actor processes on this host and restarts any that dies.
+#
+# Usage: scripts/launch_actors.sh --learner HOST:PORT --num-actors N
+#            [--env ENV_ID] [--num-envs K] [--actor-prefix NAME] [--log-dir DIR]
+#            [-- EXTRA_ACTOR_FLAGS...]
+#
+# Actor i is named NAME-i (default: this host's name), so a restarted actor
+# keeps its name and the learner sees a new run of the same actor. An actor
+# that exits 0 (training finished) or 2 (refused by the learner: wrong env or
+# spec) is not restarted; any other exit is restarted after a backoff that
+# doubles up to 30 s (reset once an actor has run 60 s). Ctrl-C or SIGTERM
+# stops every actor. Exits 0 when all actors finished, 2 if any was refused.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+usage() {
+  sed -n '2,/^[^#]/{/^#/{s/^# \{0,1\}//;p}}' "${BASH_SOURCE[0]}" >&2
+  exit 2
+}
+fail() { echo "launch_actors: $*" >&2; echo >&2; usage; }
+
+learner="" num_actors="" env="atari:Pong" num_envs=8 prefix=$(hostname) log_dir=""
+extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --learner) learner=${2:-}; shift 2 || fail "--learner needs a value" ;;
+    --num-actors) num_actors=${2:-}; shift 2 || fail "--num-actors needs a value" ;;
+    --env) env=${2:-}; shift 2 || fail "--env needs a value" ;;
+    --num-envs) num_envs=${2:-}; shift 2 || fail "--num-envs needs a value" ;;
+    --actor-prefix) prefix=${2:-}; shift 2 || fail "--actor-prefix needs a value" ;;
+    --log-dir) log_dir=${2:-}; shift 2 || fail "--log-dir needs a value" ;;
+    -h|--help) usage ;;
+    --) shift; extra=("$@"); break ;;
+    *) fail "unknown argument '$1'" ;;
+  esac
+done
+[ -n "$learner" ] || fail "--learner HOST:PORT is required"
+[[ "$learner" =~ ^(\[[0-9a-fA-F:.]+\]|[^:]+):[0-9]+$ ]] || fail "--learner '$learner' is not HOST:PORT"
+[[ "$num_actors" =~ ^[1-9][0-9]*$ ]] || fail "--num-actors must be a positive integer, got '$num_actors'"
+[[ "$num_envs" =~ ^[1-9][0-9]*$ ]] || fail "--num-envs must be a positive integer, got '$num_envs'"
+[[ "$env" == *:* ]] || fail "--env '$env' is not FAMILY:NAME (for instance atari:Pong)"
+
+if [ -x "$root/.venv/bin/seedrl-actor" ]; then
+  actor_cmd="$root/.venv/bin/seedrl-actor"
+elif command -v seedrl-actor >/dev/null 2>&1; then
+  actor_cmd=$(command -v seedrl-actor)
+else
+  echo "launch_actors: seedrl-actor not found; run scripts/setup.sh first" >&2
+  exit 1
+fi
+[ -z "$log_dir" ] || mkdir -p "$log_dir"
+
+declare -A pid_of index_of started_at backoff
+finished=0 refused=0 stopping=0
+
+start_actor() {
+  local i=$1 name="$prefix-$1"
+  if [ -n "$log_dir" ]; then
+    "$actor_cmd" --learner "$learner" --env "$env" --num-envs "$num_envs" \
+      --actor-id "$name" "${extra[@]}" >>"$log_dir/actor-$i.log" 2>&1 &
+  else
+    "$actor_cmd" --learner "$learner" --env "$env" --num-envs "$num_envs" \
+      --actor-id "$name" "${extra[@]}" &
+  fi
+  pid_of[$i]=$!
+  index_of[$!]=$i
+  started_at[$i]=$SECONDS
+}
+
+stop_all() {
+  stopping=1
+  local pids=("${pid_of[@]}")
+  [ ${#pids[@]} -eq 0 ] || kill -TERM "${pids[@]}" 2>/dev/null
+  wait
+  exit 130
+}
+trap stop_all INT TERM
+
+for ((i = 0; i < num_actors; i++)); do
+  start_actor "$i"
+  backoff[$i]=1
+done
+echo "launch_actors: $num_actors actors x $num_envs envs of $env -> $learner" >&2
+
+while [ ${#pid_of[@]} -gt 0 ]; do
+  wait -n -p done_pid
+  status=$?
+  [ -n "${done_pid:-}" ] || continue
+  i=${index_of[$done_pid]}
+  unset "index_of[$done_pid]" "pid_of[$i]"
+  [ $stopping -eq 0 ] || continue
+  case $status in
+    0) finished=$((finished + 1)); continue ;;
+    2) refused=$((refused + 1)); echo "launch_actors: actor $prefix-$i was refused by the learner; not restarting" >&2; continue ;;
+  esac
+  # Reset the backoff of an actor that had been running well.
+  (( SECONDS - started_at[$i] < 60 )) || backoff[$i]=1
+  echo "launch_actors: actor $prefix-$i exited with $status; restarting in ${backoff[$i]} s" >&2
+  sleep "${backoff[$i]}" &
+  wait $! 2>/dev/null
+  start_actor "$i"
+  backoff[$i]=$(( backoff[$i] * 2 > 30 ? 30 : backoff[$i] * 2 ))
+done
+[ $refused -eq 0 ] || exit 2
+exit 0

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Makes .venv match uv.lock, installing uv first if this machine has none.
+# Usage: scripts/setup.sh [--dev]   (--dev adds the test and codegen tools)
+# Sourced by run_local.sh and test.sh; safe to run again (a no-op when in sync).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+UV_VERSION=0.13.9
+
+extras=()
+case "${1:-}" in
+  "") ;;
+  --dev) extras=(--extra dev) ;;
+  *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
+esac
+
+find_uv() {
+  if command -v uv >/dev/null 2>&1; then echo uv; return; fi
+  if [ -x "$root/.uv-bootstrap/bin/uv" ]; then echo "$root/.uv-bootstrap/bin/uv"; return; fi
+  # A private venv keeps uv out of the system's Python.
+  echo "setup: installing uv $UV_VERSION into .uv-bootstrap/" >&2
+  python3 -m venv "$root/.uv-bootstrap" >&2
+  "$root/.uv-bootstrap/bin/pip" install --quiet "uv==$UV_VERSION" >&2
+  echo "$root/.uv-bootstrap/bin/uv"
+}
+
+uv=$(find_uv)
+cd "$root"
+# The lock file decides every version; python-downloads=never (pyproject) keeps
+# uv to this machine's Python 3.11; --inexact keeps the dev tools when training
+# after testing.
+"$uv" sync --frozen --inexact "${extras[@]}" --quiet

@@ -1,0 +1,61 @@
+"""gRPC settings shared by the learner's server and the actors' channels."""
+
+from __future__ import annotations
+
+import re
+
+SERVICE_NAME = "seedrl.v1.Learner"
+STREAM_METHOD = "Stream"
+STREAM_PATH = f"/{SERVICE_NAME}/{STREAM_METHOD}"
+
+# Large enough for 256 Atari observations (4x84x84 bytes each) in one step,
+# small enough that a bad peer cannot make the learner buffer gigabytes.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Pings keep NAT and load-balancer state alive and let either side notice a
+# peer that vanished without closing its socket (a preempted machine).
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for an actor's channel to the learner."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Reconnection pacing is the actor's own (with jitter and a new run id).
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for the learner's server."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Many actors on one host each hold a connection; do not coalesce them.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+_ADDRESS = re.compile(r"^(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d+)$")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Splits "HOST:PORT" or "[IPV6]:PORT"; raises ValueError saying what is wrong."""
+    match = _ADDRESS.match(address.strip())
+    if not match:
+        raise ValueError(f"address {address!r} is not HOST:PORT (or [IPV6]:PORT)")
+    port = int(match["port"])
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} in {address!r} is outside 1..65535")
+    return (match["ipv6"] or match["host"]), port

@@ -1,0 +1,177 @@
+"""Real learners and real actor processes for system tests.
+
+The learner runs in this process (on a thread with its own event loop) so a
+test can read its unroll queue and stream table; actors are subprocesses
+started through their console entry point, exactly as users start them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from learner.config import LearnerConfig, preset_for
+from learner.learner import Learner
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Polls `condition` until it holds; fails the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class LearnerThread:
+    """A Learner serving on a free loopback port from a background thread."""
+
+    def __init__(self, config: LearnerConfig, train: bool = True):
+        self.learner = Learner(config)
+        self.learner.compile()
+        self._train = train
+        self._ready = threading.Event()
+        self.exit_code: int | None = None
+        self._thread = threading.Thread(target=self._main, name="learner-main", daemon=True)
+
+    def _main(self) -> None:
+        async def run() -> int:
+            ready = asyncio.Event()
+            task = asyncio.create_task(self.learner.run(ready=ready, train=self._train))
+            await ready.wait()
+            self._ready.set()
+            return await task
+
+        self.exit_code = asyncio.run(run())
+
+    def start(self) -> LearnerThread:
+        self._thread.start()
+        wait_until(self._ready.is_set, 60, "the learner to serve")
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.learner.port}"
+
+    def stop(self) -> None:
+        self.learner.stop()
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "the learner did not stop"
+
+
+def learner_config(env: str, run_dir: pathlib.Path, **overrides) -> LearnerConfig:
+    base = preset_for(env)
+    return dataclasses.replace(
+        base, port=0, bind_address="127.0.0.1", run_dir=str(run_dir), **overrides
+    )
+
+
+class ActorProcess:
+    def __init__(self, args: Sequence[str], log_path: pathlib.Path):
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait/kill
+        self.process = subprocess.Popen(
+            [str(ROOT / ".venv" / "bin" / "seedrl-actor"), *args]
+            if (ROOT / ".venv" / "bin" / "seedrl-actor").exists()
+            else [sys.executable, "-m", "actors.main", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self._log.close()
+
+    def wait(self, timeout_s: float) -> int:
+        code = self.process.wait(timeout=timeout_s)
+        self._log.close()
+        return code
+
+
+def spawn_actor(
+    address: str,
+    env: str,
+    num_envs: int,
+    actor_id: str,
+    log_dir: pathlib.Path,
+    *extra: str,
+) -> ActorProcess:
+    args = [
+        "--learner",
+        address,
+        "--env",
+        env,
+        "--num-envs",
+        str(num_envs),
+        "--actor-id",
+        actor_id,
+        "--backoff-initial-s",
+        "0.2",
+        "--backoff-max-s",
+        "2",
+        *extra,
+    ]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    index = len(list(log_dir.glob(f"{actor_id}*.log")))
+    return ActorProcess(args, log_dir / f"{actor_id}-{index}.log")
+
+
+def port_from_log(path: pathlib.Path, timeout_s: float) -> int:
+    """The port a CLI learner reports in its log ("... on port N; ...")."""
+    found: list[int] = []
+
+    def has_port() -> bool:
+        match = re.search(r"serving \S+ on port (\d+)", path.read_text() if path.exists() else "")
+        if match:
+            found.append(int(match.group(1)))
+        return bool(found)
+
+    wait_until(has_port, timeout_s, f"the learner to report its port in {path}")
+    return found[0]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (for CLIs that need one up front)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def processes_matching(text: str) -> list[int]:
+    """Pids of live processes whose command line contains `text`."""
+    pids = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if text in command and state != "Z":
+            pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,131 @@
+"""The V-trace agent: alignment of a [T+1, B] batch, the loss, one update, acting."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from learner.agents.vtrace import learning
+from learner.networks import make_network
+from learner.ops.vtrace import vtrace
+
+SETTINGS = learning.LossSettings(
+    discount=0.9,
+    lambda_=1.0,
+    clip_rho_threshold=1.0,
+    clip_pg_rho_threshold=1.0,
+    baseline_cost=0.5,
+    entropy_cost=0.01,
+    reward_clipping="none",
+)
+
+
+def episode_end_batch(end: str) -> learning.Trajectories:
+    """x0 -> x1 (reward 2, ends by `end`) -> x2 (first of a new episode, reward 0)."""
+    return learning.Trajectories(
+        observations=jnp.zeros((3, 1, 1)),
+        actions=jnp.zeros((3, 1), jnp.int32),
+        behaviour_log_probs=jnp.zeros((3, 1)),
+        rewards=jnp.array([[0.0], [2.0], [0.0]]),
+        terminated=jnp.array([[False], [end == "terminated"], [False]]),
+        truncated=jnp.array([[False], [end == "truncated"], [False]]),
+    )
+
+
+def targets(end: str):
+    values = jnp.array([[1.0], [5.0], [7.0]])
+    inputs = learning.vtrace_inputs(episode_end_batch(end), jnp.zeros((2, 1)), values, SETTINGS)
+    result = vtrace(
+        inputs.log_rhos, inputs.discounts, inputs.rewards, inputs.values, inputs.bootstrap_value
+    )
+    return inputs, result
+
+
+def test_truncation_bootstraps_from_the_final_observation():
+    inputs, result = targets("truncated")
+    # v0 = r + gamma V(x1) = 2 + 0.9 * 5; never V(x2), which is another episode.
+    np.testing.assert_allclose(result.vs[0, 0], 2.0 + 0.9 * 5.0)
+    np.testing.assert_allclose(result.pg_advantages[0, 0], 2.0 + 0.9 * 5.0 - 1.0)
+    np.testing.assert_array_equal(inputs.mask[:, 0], [1.0, 0.0])
+
+
+def test_termination_does_not_bootstrap():
+    inputs, result = targets("terminated")
+    np.testing.assert_allclose(result.vs[0, 0], 2.0)
+    np.testing.assert_array_equal(inputs.mask[:, 0], [1.0, 0.0])
+
+
+def test_auto_reset_transition_carries_no_target():
+    _, result = targets("truncated")
+    # Its value target is V(x1) itself and its advantage 0: it teaches nothing.
+    np.testing.assert_allclose(result.vs[1, 0], 5.0)
+    np.testing.assert_allclose(result.pg_advantages[1, 0], 0.0)
+
+
+def test_rewards_are_clipped_only_when_asked():
+    rewards = jnp.array([-3.0, 0.5, 7.0])
+    np.testing.assert_array_equal(learning.clip_rewards(rewards, "abs_one"), [-1.0, 0.5, 1.0])
+    np.testing.assert_array_equal(learning.clip_rewards(rewards, "none"), rewards)
+
+
+def random_batch(rng, steps=6, batch=4, obs=3, actions=2):
+    return learning.Trajectories(
+        observations=rng.normal(size=(steps, batch, obs)).astype(np.float32),
+        actions=rng.integers(0, actions, (steps, batch)).astype(np.int32),
+        behaviour_log_probs=np.full((steps, batch), np.log(0.5), np.float32),
+        rewards=rng.normal(size=(steps, batch)).astype(np.float32),
+        terminated=rng.random((steps, batch)) < 0.1,
+        truncated=rng.random((steps, batch)) < 0.1,
+    )
+
+
+def test_updates_fit_the_values_of_a_fixed_batch():
+    rng = np.random.default_rng(0)
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
+    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
+    update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
+    state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+    batch = random_batch(rng)
+    value_losses = []
+    for _ in range(30):
+        state, metrics = update(state, batch)
+        value_losses.append(float(metrics["baseline_loss"]))
+    assert int(state.updates) == 30
+    # The policy loss has no fixed target (V-trace's targets move with the values);
+    # the value loss on one fixed batch must fall.
+    assert value_losses[-1] < 0.5 * value_losses[0]
+    assert set(metrics) >= {"loss", "policy_loss", "baseline_loss", "entropy", "grad_norm"}
+    # One compiled program serves every call of the same shapes.
+    assert update._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "observation"),
+    [
+        ("mlp", np.zeros((5, 4), np.float32)),
+        ("nature_cnn", np.zeros((5, 4, 84, 84), np.uint8)),
+        ("impala_resnet", np.zeros((5, 4, 84, 84), np.uint8)),
+    ],
+)
+def test_networks_give_logits_and_values(name, observation):
+    network = make_network(name, num_actions=6)
+    params = network.init(jax.random.key(0), observation[:1])
+    output = network.apply(params, observation)
+    assert output.logits.shape == (5, 6)
+    assert output.values.shape == (5,)
+    policy = learning.make_policy_fn(network.apply)
+    key = jax.random.key(1)
+    step, next_key = policy(params, observation, key)
+    assert step.actions.shape == (5,) and step.actions.dtype == jnp.int32
+    assert ((step.actions >= 0) & (step.actions < 6)).all()
+    # Near-uniform initial policy: log-probabilities close to log(1/6).
+    np.testing.assert_allclose(step.log_probs, np.log(1 / 6), atol=0.05)
+    assert not np.array_equal(jax.random.key_data(next_key), jax.random.key_data(key))
+
+
+def test_unknown_network_is_refused():
+    with pytest.raises(ValueError, match="unknown network"):
+        make_network("transformer", 2)  # type: ignore[arg-type]

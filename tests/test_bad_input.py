@@ -1,0 +1,178 @@
+"""Malformed streams end with a status that names the fault; the learner serves on.
+
+A raw gRPC client sends each bad case while a real actor process keeps
+training on the same learner; afterwards that actor must still be served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from envs import registry
+from seedrl.codec import EnvStep, StepCodec
+from seedrl.proto import seedrl_pb2
+from seedrl.specs import PROTOCOL_VERSION, TensorSpec
+from seedrl.transport import STREAM_PATH
+from tests.fleet import LearnerThread, learner_config, spawn_actor, wait_until
+
+ENV = "counting:v0"
+SPEC = registry.spec(ENV)
+
+
+def hello(**changes) -> bytes:
+    fields = dict(
+        protocol_version=PROTOCOL_VERSION,
+        actor_id="raw-client",
+        run_id="r1",
+        num_envs=2,
+        env_id=ENV,
+        observation_spec=SPEC.observation.to_proto(),
+        action_spec=SPEC.action.to_proto(),
+    )
+    fields.update(changes)
+    return seedrl_pb2.ActorMessage(hello=seedrl_pb2.Hello(**fields)).SerializeToString()
+
+
+def step(num_envs: int = 2, **changes) -> bytes:
+    codec = StepCodec(SPEC.observation, SPEC.action, num_envs)
+    raw = codec.encode_step(
+        EnvStep(
+            np.zeros((num_envs, 6), np.float32),
+            np.zeros(num_envs, np.float32),
+            np.zeros(num_envs, bool),
+            np.zeros(num_envs, bool),
+        )
+    )
+    message = seedrl_pb2.ActorMessage.FromString(raw)
+    for name, value in changes.items():
+        setattr(message.step, name, value)
+    return message.SerializeToString()
+
+
+CASES = {
+    "garbage instead of a hello": (
+        [b"\xff\xff\xff\xff garbage"],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the first message is not a valid ActorMessage",
+    ),
+    "empty first message": (
+        [b""],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the first message must be a hello, got an empty message",
+    ),
+    "a step before the hello": (
+        [step()],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the first message must be a hello, got step",
+    ),
+    "unknown protocol version": (
+        [hello(protocol_version=99)],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "protocol version 99 is not supported",
+    ),
+    "another env": (
+        [hello(env_id="atari:Pong")],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "env 'atari:Pong' does not match the learner's env 'counting:v0'",
+    ),
+    "wrong observation dtype": (
+        [hello(observation_spec=TensorSpec("float64", (6,)).to_proto())],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "observation spec float64[6] does not match the learner's float32[6]",
+    ),
+    "zero envs": (
+        [hello(num_envs=0)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "num_envs 0 is outside",
+    ),
+    "observations of the wrong size": (
+        [hello(), step(observations=b"\0" * 10)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 1: observations hold 10 bytes, expected 48 (2 envs x float32[6])",
+    ),
+    "observations for the wrong number of envs": (
+        [hello(), step(num_envs=3)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "observations hold 72 bytes, expected 48",
+    ),
+    "a non-finite reward": (
+        [hello(), step(rewards=np.array([0.0, np.inf], "<f4").tobytes())],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "rewards are not all finite",
+    ),
+    "a second hello": (
+        [hello(), step(), hello()],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "message 2 must be a step, got hello",
+    ),
+    "garbage after the hello": (
+        [hello(), b"\xff\xff\xff"],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "message 1 is not a valid ActorMessage",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A training learner with one real actor working against it."""
+    tmp = tmp_path_factory.mktemp("bad-input")
+    fleet = LearnerThread(learner_config(ENV, tmp / "run"), train=True).start()
+    actor = spawn_actor(fleet.address, ENV, 2, "honest", tmp / "actors")
+    wait_until(lambda: fleet.learner.stats.env_steps > 100, 60, "the honest actor to be served")
+    yield fleet
+    actor.kill()
+    fleet.stop()
+
+
+def send_raw(address: str, messages: list[bytes]) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(STREAM_PATH)(iter(messages), timeout=30)
+        with pytest.raises(grpc.RpcError) as caught:
+            for _ in call:
+                pass
+    return caught.value
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_malformed_stream_is_ended_with_a_named_fault(served, case):
+    messages, code, text = CASES[case]
+    stats = served.learner.stats
+    steps_before = stats.env_steps
+    error = send_raw(served.address, messages)
+    assert error.code() == code, error.details()
+    assert text in error.details()
+    # The honest actor is still served, and the learner still trains.
+    updates_before = stats.updates
+    wait_until(lambda: stats.env_steps > steps_before + 50, 30, "the honest actor to go on")
+    wait_until(lambda: stats.updates > updates_before, 30, "training to go on")
+    assert [s.actor_id for s in served.learner.service.streams.values()] == ["honest"]
+
+
+def test_a_silent_stream_is_ended_at_the_hello_timeout(tmp_path):
+    config = dataclasses.replace(learner_config(ENV, tmp_path / "run"), hello_timeout_s=0.5)
+    fleet = LearnerThread(config, train=False).start()
+    try:
+        with grpc.insecure_channel(fleet.address) as channel:
+            blocker = threading.Event()
+
+            def silent():
+                blocker.wait(10)  # sends nothing, holds the stream open
+                return
+                yield
+
+            call = channel.stream_stream(STREAM_PATH)(silent(), timeout=30)
+            with pytest.raises(grpc.RpcError) as caught:
+                for _ in call:
+                    pass
+            blocker.set()
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "no hello within 0.5 s" in caught.value.details()
+        assert fleet.learner.stats.rejected_streams == 1
+    finally:
+        fleet.stop()

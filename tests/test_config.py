@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from learner.config import PRESETS, LearnerConfig, parse_cli, preset_for
+
+
+def test_the_env_family_picks_the_preset():
+    config = parse_cli(["--env", "classic:CartPole-v1"])
+    assert config.preset == "classic" and config.network == "mlp"
+    assert config.reward_clipping == "none"
+    atari = parse_cli(["--env", "atari:Breakout"])
+    assert atari.preset == "atari" and atari.network == "nature_cnn"
+    assert atari.env == "atari:Breakout"
+
+
+def test_flags_override_the_preset():
+    config = parse_cli(
+        ["--env", "classic:CartPole-v1", "--learning-rate", "0.01", "--clip-rho-threshold", "None"]
+    )
+    assert config.learning_rate == 0.01
+    assert config.clip_rho_threshold is None
+    assert config.unroll_length == PRESETS["classic"].unroll_length
+
+
+def test_an_explicit_preset_wins_over_the_family():
+    config = parse_cli(["--env", "classic:Acrobot-v1", "--preset", "counting"])
+    assert config.preset == "counting" and config.env == "classic:Acrobot-v1"
+
+
+def test_unknown_preset_is_a_clear_error():
+    with pytest.raises(SystemExit, match="no preset 'mujoco'"):
+        parse_cli(["--env", "mujoco:Ant"])
+    with pytest.raises(ValueError, match="no preset"):
+        preset_for("atari:Pong", "fast")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("unroll_queue_size", 4, "must hold at least one batch"),
+        ("discount", 1.5, "outside"),
+        ("port", 70000, "outside 0..65535"),
+        ("clip_rho_threshold", 0.0, "positive or None"),
+        ("inference_timeout_ms", -1.0, "must not be negative"),
+    ],
+)
+def test_bad_values_say_why(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(LearnerConfig(), **{field: value})
+
+
+def test_every_field_has_a_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_cli(["--help"])
+    help_text = capsys.readouterr().out
+    for field in dataclasses.fields(LearnerConfig):
+        assert "--" + field.name.replace("_", "-") in help_text

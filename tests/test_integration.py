@@ -1,0 +1,202 @@
+"""A real learner, real actor processes, the counting env: unrolls are exact.
+
+The counting env writes into every observation which env instance made it
+(NONCE, ENV_INDEX) and where in time it stands (TOTAL, EPISODE, STEP), plus
+the last action it received. From the learner's unrolls alone the test
+checks that each unroll is T+1 consecutive steps of one env of one run, that
+consecutive unrolls overlap by exactly one step with nothing lost or
+repeated, that every action reached the env it was chosen for, and that a
+killed and restarted actor comes back as a new run whose steps never join an
+unroll of the old one.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import time
+
+import numpy as np
+import pytest
+
+from envs import counting
+from learner.unroll_store import Unroll
+from tests.fleet import LearnerThread, learner_config, spawn_actor, wait_until
+
+ENV = "counting:v0"
+
+
+class Collector:
+    """Drains the learner's unroll queue (no trainer runs in these tests)."""
+
+    def __init__(self, fleet: LearnerThread):
+        self.fleet = fleet
+        self.unrolls: list[tuple[str, str, Unroll]] = []
+
+    def drain_until(self, condition, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        learner = self.fleet.learner
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+            try:
+                unroll = learner.unrolls.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            actor_id, run_id = learner.service.history[unroll.owner]
+            self.unrolls.append((actor_id, run_id, unroll))
+
+    def count(self, actor_id: str, run_id: str | None = None) -> int:
+        return sum(
+            1 for a, r, _ in self.unrolls if a == actor_id and (run_id is None or r == run_id)
+        )
+
+
+def check_unroll(unroll: Unroll) -> None:
+    obs = unroll.observations
+    assert len(np.unique(obs[:, counting.NONCE])) == 1, "an unroll mixes env instances"
+    assert len(np.unique(obs[:, counting.ENV_INDEX])) == 1, "an unroll mixes envs"
+    np.testing.assert_array_equal(np.diff(obs[:, counting.TOTAL]), 1, "a step lost or repeated")
+    env_index = obs[:, counting.ENV_INDEX].astype(np.int64)
+    episode = obs[:, counting.EPISODE].astype(np.int64)
+    step = obs[:, counting.STEP].astype(np.int64)
+    ended = unroll.terminated | unroll.truncated
+    # The flags are the env's own: an episode ends exactly at its length.
+    expected_end = step == counting.episode_length(env_index, episode)
+    np.testing.assert_array_equal(ended, expected_end)
+    np.testing.assert_array_equal(
+        unroll.truncated, expected_end & counting.ends_by_truncation(env_index, episode)
+    )
+    for t in range(len(obs) - 1):
+        following = obs[t + 1]
+        if ended[t]:
+            # Next-step auto-reset: the action is ignored, a new episode starts.
+            assert following[counting.STEP] == 0
+            assert following[counting.EPISODE] == episode[t] + 1
+            assert following[counting.LAST_ACTION] == -1
+            assert unroll.rewards[t + 1] == 0.0
+        else:
+            assert following[counting.STEP] == step[t] + 1
+            # The action chosen for this env is the one the env received...
+            assert following[counting.LAST_ACTION] == unroll.actions[t]
+            # ...and the reward that came back is the one it earned.
+            assert unroll.rewards[t + 1] == float(unroll.actions[t] == step[t] % 3)
+    assert np.all(unroll.behaviour_log_probs <= 0) and np.all(
+        np.isfinite(unroll.behaviour_log_probs)
+    )
+
+
+def check_chains(unrolls: list[Unroll]) -> dict[tuple[float, float], int]:
+    """Per env instance: unrolls chain from TOTAL 0 with a one-step overlap."""
+    chains: dict[tuple[float, float], list[Unroll]] = collections.defaultdict(list)
+    for unroll in unrolls:
+        key = (unroll.observations[0, counting.NONCE], unroll.observations[0, counting.ENV_INDEX])
+        chains[key].append(unroll)
+    lengths = {}
+    for key, chain in chains.items():
+        chain.sort(key=lambda u: u.observations[0, counting.TOTAL])
+        assert chain[0].observations[0, counting.TOTAL] == 0, f"env {key} lost its first unroll"
+        for previous, current in itertools.pairwise(chain):
+            # The last step of one unroll is the first of the next, in every field.
+            for field in (
+                "observations",
+                "actions",
+                "behaviour_log_probs",
+                "rewards",
+                "terminated",
+                "truncated",
+                "policy_versions",
+            ):
+                np.testing.assert_array_equal(
+                    getattr(current, field)[0], getattr(previous, field)[-1], field
+                )
+        lengths[key] = len(chain)
+    return lengths
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    config = learner_config(ENV, tmp_path / "run", unroll_length=5, unroll_queue_size=64)
+    learner = LearnerThread(config, train=False).start()
+    yield learner
+    learner.stop()
+
+
+def test_unrolls_are_stitched_exactly_across_an_actor_restart(fleet, tmp_path):
+    logs = tmp_path / "actors"
+    collector = Collector(fleet)
+    steady = spawn_actor(fleet.address, ENV, 2, "steady", logs)
+    doomed = spawn_actor(fleet.address, ENV, 3, "doomed", logs)
+    restarted = None
+    try:
+        collector.drain_until(
+            lambda: collector.count("steady") >= 30 and collector.count("doomed") >= 30,
+            120,
+            "unrolls from both actors",
+        )
+        streams = {s.actor_id: s for s in fleet.learner.service.streams.values()}
+        first_run = streams["doomed"].run_id
+        doomed.kill()
+        restarted = spawn_actor(fleet.address, ENV, 3, "doomed", logs)
+        collector.drain_until(
+            lambda: (
+                sum(1 for a, r, _ in collector.unrolls if a == "doomed" and r != first_run) >= 30
+            ),
+            120,
+            "unrolls from the restarted actor",
+        )
+        steady_before = collector.count("steady")
+        collector.drain_until(
+            lambda: collector.count("steady") >= steady_before + 10, 60, "the steady actor to go on"
+        )
+    finally:
+        for actor in (steady, doomed, restarted):
+            if actor is not None:
+                actor.kill()
+
+    runs = collections.defaultdict(set)
+    nonces = collections.defaultdict(set)
+    for actor_id, run_id, unroll in collector.unrolls:
+        check_unroll(unroll)
+        runs[actor_id].add(run_id)
+        nonces[(actor_id, run_id)].add(float(unroll.observations[0, counting.NONCE]))
+
+    # The restart is a new run, and the two runs share no env instance: no unroll
+    # of the new run continues one of the old.
+    assert len(runs["doomed"]) == 2 and first_run in runs["doomed"]
+    (second_run,) = runs["doomed"] - {first_run}
+    assert nonces[("doomed", first_run)].isdisjoint(nonces[("doomed", second_run)])
+    assert len(nonces[("doomed", first_run)]) == 3 and len(nonces[("doomed", second_run)]) == 3
+    assert len(runs["steady"]) == 1 and len(nonces[("steady", next(iter(runs["steady"])))]) == 2
+
+    chains = check_chains([unroll for _, _, unroll in collector.unrolls])
+    assert len(chains) == 2 + 3 + 3
+    assert sum(chains.values()) == len(collector.unrolls)
+
+
+def test_policy_version_of_each_action_is_recorded(tmp_path):
+    config = learner_config(ENV, tmp_path / "run", unroll_length=4, batch_size=2)
+    fleet = LearnerThread(config, train=True).start()
+    actor = spawn_actor(fleet.address, ENV, 2, "a", tmp_path / "actors")
+    try:
+        wait_until(lambda: fleet.learner.stats.updates >= 20, 120, "20 updates")
+    finally:
+        actor.kill()
+        fleet.stop()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert lines, "no metrics were written"
+    import json
+
+    records = [json.loads(line) for line in lines]
+    lags = [r["policy_lag_mean"] for r in records if r["policy_lag_mean"] is not None]
+    # Training ran while acting went on: lags are measured, small, and not negative.
+    assert lags and all(0 <= lag < 10 for lag in lags)
+    assert max(r["updates"] for r in records) >= 20
+
+
+def test_an_actor_is_refused_for_the_wrong_env_and_exits(fleet, tmp_path):
+    actor = spawn_actor(fleet.address, "classic:CartPole-v1", 1, "lost", tmp_path / "actors")
+    code = actor.wait(timeout_s=60)
+    assert code == 2, actor.log()
+    assert "does not match the learner's env 'counting:v0'" in actor.log()

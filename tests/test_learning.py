@@ -1,0 +1,112 @@
+"""Learning through the real path: CLI learner, actor processes, gRPC on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.fleet import ROOT, port_from_log, spawn_actor
+
+pytestmark = pytest.mark.slow
+
+
+def run_learner(tmp_path, *flags: str) -> tuple[subprocess.Popen, int]:
+    log = tmp_path / "learner.log"
+    process = subprocess.Popen(
+        [
+            str(ROOT / ".venv" / "bin" / "seedrl-learner"),
+            "--port",
+            "0",
+            "--bind-address",
+            "127.0.0.1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *flags,
+        ],
+        stdout=open(log, "w"),  # noqa: SIM115 - the child owns it
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return process, port_from_log(log, timeout_s=300)
+
+
+def read_metrics(tmp_path) -> list[dict]:
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_cartpole_is_solved_within_500k_env_steps(tmp_path):
+    learner, port = run_learner(
+        tmp_path,
+        "--env",
+        "classic:CartPole-v1",
+        "--total-env-steps",
+        "500000",
+        "--stop-at-return",
+        "475",
+    )
+    actors = [
+        spawn_actor(f"127.0.0.1:{port}", "classic:CartPole-v1", 16, f"cartpole-{i}", tmp_path)
+        for i in range(2)
+    ]
+    try:
+        assert learner.wait(timeout=1200) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        # The learner ended the streams with OK: every actor exits 0 by itself.
+        assert [actor.wait(timeout_s=60) for actor in actors] == [0, 0]
+    finally:
+        learner.kill()
+        for actor in actors:
+            actor.kill()
+    records = read_metrics(tmp_path)
+    solved = [
+        r
+        for r in records
+        if r["episode_return_mean"] is not None
+        and r["episode_return_mean"] >= 475
+        and r["episodes"] >= 100
+    ]
+    assert solved, f"best mean return {max(r['episode_return_mean'] or 0 for r in records)}"
+    assert solved[0]["env_steps"] <= 500_000
+    print(
+        f"\nCartPole solved at {solved[0]['env_steps']} env steps "
+        f"({solved[0]['elapsed_s']:.0f} s, mean return {solved[0]['episode_return_mean']})"
+    )
+
+
+def test_pong_trains_through_the_real_path(tmp_path):
+    """A short Pong run with the Nature CNN: frames flow, updates happen, exit is clean."""
+    learner, port = run_learner(
+        tmp_path,
+        "--env",
+        "atari:Pong",
+        "--total-env-steps",
+        "1200",
+        "--unroll-length",
+        "5",
+        "--batch-size",
+        "4",
+        "--unroll-queue-size",
+        "8",
+        "--inference-batch-size",
+        "8",
+        "--log-interval-s",
+        "1",
+    )
+    actor = spawn_actor(f"127.0.0.1:{port}", "atari:Pong", 4, "pong", tmp_path)
+    try:
+        assert learner.wait(timeout=600) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert actor.wait(timeout_s=60) == 0
+    finally:
+        learner.kill()
+        actor.kill()
+    records = read_metrics(tmp_path)
+    final = records[-1]
+    assert final["env_steps"] >= 1200
+    assert final["env_frames"] == 4 * final["env_steps"]  # frame skip 4
+    assert final["updates"] >= 10
+    assert max(r["fps"] or 0 for r in records) > 0
+    assert any(r["inference_batch_mean"] for r in records)

@@ -1,0 +1,97 @@
+"""UnrollStore: one-step overlap, owners, episode bookkeeping."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from learner.unroll_store import UnrollStore
+from seedrl.codec import EnvStep
+from seedrl.specs import TensorSpec
+
+SPEC = TensorSpec("int32", (1,))
+
+
+def feed(store, slots, owner, values, terminated=None, truncated=None, version=0):
+    """Appends one step per slot whose observation is `values`."""
+    count = len(slots)
+    step = EnvStep(
+        observations=np.asarray(values, np.int32).reshape(count, 1),
+        rewards=np.asarray(values, np.float32),
+        terminated=np.zeros(count, bool) if terminated is None else np.asarray(terminated),
+        truncated=np.zeros(count, bool) if truncated is None else np.asarray(truncated),
+    )
+    return store.append(
+        slots,
+        np.full(count, owner),
+        step,
+        actions=np.asarray(values, np.int32) % 5,
+        log_probs=np.full(count, -0.5, np.float32),
+        policy_version=version,
+    )
+
+
+def test_unrolls_overlap_by_one_step():
+    store = UnrollStore(unroll_length=3, observation_spec=SPEC, initial_slots=1)
+    slots = store.allocate(owner=1, count=2)
+    emitted = []
+    for t in range(10):
+        unrolls, _ = feed(store, slots, 1, [100 + t, 200 + t], version=t)
+        emitted.extend(unrolls)
+    first = [u.observations[:, 0].tolist() for u in emitted if u.observations[0, 0] < 200]
+    assert first == [[100, 101, 102, 103], [103, 104, 105, 106], [106, 107, 108, 109]]
+    second = [u.observations[:, 0].tolist() for u in emitted if u.observations[0, 0] >= 200]
+    assert second == [[200, 201, 202, 203], [203, 204, 205, 206], [206, 207, 208, 209]]
+    unroll = emitted[-1]
+    assert unroll.policy_versions.tolist() == [6, 7, 8, 9]
+    assert unroll.actions.tolist() == [v % 5 for v in range(206, 210)]
+    assert unroll.owner == 1
+
+
+def test_store_grows_and_reuses_released_slots():
+    store = UnrollStore(unroll_length=2, observation_spec=SPEC, initial_slots=1)
+    first = store.allocate(owner=1, count=3)
+    assert store.slots_in_use == 3
+    feed(store, first, 1, [1, 2, 3])
+    store.release(1, first)
+    assert store.slots_in_use == 0
+    capacity = store.capacity
+    second = store.allocate(owner=2, count=capacity)
+    assert store.capacity == capacity  # every released slot was reused, none added
+    assert set(first.tolist()) <= set(second.tolist())
+    second = second[:3]
+    # The new owner starts from an empty unroll: nothing of owner 1 leaks in.
+    emitted = []
+    for t in range(3):
+        emitted.extend(feed(store, second, 2, [10 + t] * 3)[0])
+    assert {tuple(u.observations[:, 0]) for u in emitted} == {(10, 11, 12)}
+
+
+def test_steps_of_a_previous_owner_are_dropped():
+    store = UnrollStore(unroll_length=1, observation_spec=SPEC, initial_slots=1)
+    old = store.allocate(owner=1, count=1)
+    store.release(1, old)
+    new = store.allocate(owner=2, count=1)
+    assert new.tolist() == old.tolist()
+    # A batch formed while owner 1 held the slot arrives late: it must not land.
+    unrolls, stats = feed(store, old, owner=1, values=[666])
+    assert unrolls == [] and stats.env_steps == 0
+    unrolls, _ = feed(store, new, 2, [1])
+    unrolls, _ = feed(store, new, 2, [2])
+    assert [u.observations[:, 0].tolist() for u in unrolls] == [[1, 2]]
+
+
+def test_episode_returns_are_raw_sums_between_ends():
+    store = UnrollStore(unroll_length=50, observation_spec=SPEC)
+    slots = store.allocate(owner=1, count=1)
+    # First observation (reward ignored: nothing led to it), then rewards 1, 2, 3
+    # with the last observation terminal, then a new episode: reward 4 truncated.
+    _, stats = feed(store, slots, 1, [9])
+    assert stats.env_steps == 0
+    feed(store, slots, 1, [1])
+    feed(store, slots, 1, [2])
+    _, stats = feed(store, slots, 1, [3], terminated=[True])
+    assert stats.returns == [6.0] and stats.lengths == [3] and stats.env_steps == 1
+    _, stats = feed(store, slots, 1, [7])  # the reset observation
+    assert stats.returns == [] and stats.env_steps == 0
+    _, stats = feed(store, slots, 1, [4], truncated=[True])
+    assert stats.returns == [4.0] and stats.lengths == [1]
