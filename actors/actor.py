@@ -149,6 +149,7 @@ class Actor:
         last_contact = time.monotonic()
         while True:
             self.run_id = secrets.token_hex(8)
+            connections = self.connections
             try:
                 await self._run_once(on_welcome=backoff.reset)
             except LearnerFinished:
@@ -163,19 +164,21 @@ class Actor:
                         error.details(),
                     )
                     return EXIT_REFUSED
-                logger.warning(
-                    "stream to %s lost (%s: %s)", config.learner, error.code().name, error.details()
-                )
+                reason = f"{error.code().name}: {error.details()}"
             except (TimeoutError, ConnectionError, WireError) as error:
-                logger.warning("stream to %s lost (%s)", config.learner, error)
-            if self.connections:
+                reason = str(error) or type(error).__name__
+            if self.connections > connections:
                 last_contact = time.monotonic()
-            if config.give_up_after_s and time.monotonic() - last_contact > config.give_up_after_s:
-                logger.error(
-                    "no learner at %s for %.0f s; giving up", config.learner, config.give_up_after_s
-                )
+            waited = time.monotonic() - last_contact
+            if config.give_up_after_s and waited > config.give_up_after_s:
+                logger.error("no learner at %s for %.0f s; giving up", config.learner, waited)
                 return EXIT_GAVE_UP
-            await asyncio.sleep(backoff.delay())
+            delay = backoff.delay()
+            what = "lost the stream to" if self.connections > connections else "cannot reach"
+            logger.warning(
+                "%s the learner at %s (%s); retrying in %.1f s", what, config.learner, reason, delay
+            )
+            await asyncio.sleep(delay)
 
     async def _run_once(self, on_welcome) -> None:
         config = self.config
