@@ -173,7 +173,8 @@ class LearnerService:
         actor: ActorStream | None = None
         try:
             actor = await self._accept(context)
-            await self._serve(actor, context)
+            if actor is not None:
+                await self._serve(actor, context)
         except StreamRefused as refusal:
             if actor is None:
                 self._stats.count_rejection()
@@ -184,7 +185,12 @@ class LearnerService:
             if actor is not None:
                 self._disconnect(actor)
 
-    async def _accept(self, context: grpc.aio.ServicerContext) -> ActorStream:
+    async def _accept(self, context: grpc.aio.ServicerContext) -> ActorStream | None:
+        """Reads and checks the hello, allocates slots, sends the welcome.
+
+        None when training has finished: the stream then ends with OK, and the
+        actor exits as every other one does.
+        """
         try:
             raw = await asyncio.wait_for(context.read(), self._hello_timeout_s)
         except TimeoutError as error:
@@ -194,9 +200,9 @@ class LearnerService:
             ) from error
         if raw is grpc.aio.EOF:
             raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, "stream closed before its hello")
-        if self.finished:
-            raise StreamRefused(grpc.StatusCode.UNAVAILABLE, "training has finished")
         hello = check_hello(parse_message(raw, "the first message"), self.env_spec, self._max_envs)
+        if self.finished:
+            return None
         owner = next(self._owners)
         actor = ActorStream(
             owner=owner,

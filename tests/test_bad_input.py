@@ -176,3 +176,17 @@ def test_a_silent_stream_is_ended_at_the_hello_timeout(tmp_path):
         assert fleet.learner.stats.rejected_streams == 1
     finally:
         fleet.stop()
+
+
+def test_a_hello_after_training_finished_ends_with_ok(tmp_path):
+    fleet = LearnerThread(learner_config(ENV, tmp_path / "run"), train=False).start()
+    try:
+        fleet.learner.service.finish()
+        with grpc.insecure_channel(fleet.address) as channel:
+            call = channel.stream_stream(STREAM_PATH)(iter([hello()]), timeout=30)
+            replies = list(call)  # raises on any status but OK
+        assert replies == []
+        assert call.code() == grpc.StatusCode.OK
+        assert fleet.learner.stats.rejected_streams == 0
+    finally:
+        fleet.stop()

@@ -1,0 +1,43 @@
+"""The actor's own logic: backoff, giving up, refusing bad configuration."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.actor import EXIT_GAVE_UP, ActorConfig, Backoff
+from tests.fleet import free_port, spawn_actor
+
+
+def test_backoff_doubles_with_jitter_up_to_the_cap_and_resets():
+    backoff = Backoff(0.5, 4.0, random.Random(0))
+    delays = [backoff.delay() for _ in range(6)]
+    caps = [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert all(cap / 2 <= delay <= cap for delay, cap in zip(delays, caps, strict=True))
+    assert len(set(delays)) == len(delays)  # jittered, so a fleet does not retry in step
+    backoff.reset()
+    assert 0.25 <= backoff.delay() <= 0.5
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"learner": "nohost"}, "is not HOST:PORT"),
+        ({"learner": "h:99999"}, "outside 1..65535"),
+        ({"env": "Pong"}, "not FAMILY:NAME"),
+        ({"num_envs": 0}, "at least 1"),
+        ({"backoff_initial_s": 5.0, "backoff_max_s": 1.0}, "backoff"),
+    ],
+)
+def test_bad_configuration_is_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ActorConfig(**changes)
+
+
+def test_the_actor_gives_up_when_no_learner_answers(tmp_path):
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    actor = spawn_actor(address, "counting:v0", 1, "alone", tmp_path, "--give-up-after-s", "1")
+    assert actor.wait(timeout_s=60) == EXIT_GAVE_UP
+    log = actor.log()
+    assert "cannot reach the learner" in log and "giving up" in log
