@@ -29,8 +29,11 @@ from seedrl.specs import TensorSpec
 
 logger = logging.getLogger(__name__)
 
-# What a request's reply is when the learner stops before answering it.
-FINISHED = object()
+# What a request's reply is when inference stops before answering it.
+STOPPED = object()
+
+# Consecutive failed batches after which inference gives up and stops the learner.
+MAX_CONSECUTIVE_FAILURES = 10
 
 
 def padded_sizes(max_batch: int) -> list[int]:
@@ -78,8 +81,10 @@ class InferenceLoop:
         deliver: Deliver,
         stats: LearnerStats,
         rng_key: jax.Array,
+        on_failure: Callable[[BaseException], None],
     ):
         self._policy_fn = policy_fn
+        self._on_failure = on_failure
         self._parameters = parameters
         self._batcher = batcher
         self._store = store
@@ -106,23 +111,32 @@ class InferenceLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops after the batch in hand; pending requests are answered FINISHED."""
+        """Stops after the batch in hand; pending requests are answered STOPPED."""
         self._stop.set()
         self._batcher.close()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         while batch := self._batcher.next_batch(0):
-            self._deliver(batch, [FINISHED] * len(batch))
+            self._deliver(batch, [STOPPED] * len(batch))
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.is_set():
             batch = self._batcher.next_batch(wait_s=0.1)
             if not batch:
                 continue
             try:
                 self._serve(batch)
+                failures = 0
             except Exception as error:
+                # One bad batch must not stop inference: its streams get INTERNAL.
+                failures += 1
                 logger.exception("inference failed for a batch of %d requests", len(batch))
                 self._deliver(batch, [error] * len(batch))
+                if failures >= MAX_CONSECUTIVE_FAILURES:
+                    # Not a bad batch but a broken policy (device lost, out of memory).
+                    self._on_failure(error)
+                    return
 
     def _serve(self, batch: list[InferenceRequest]) -> None:
         started = time.perf_counter()

@@ -120,6 +120,7 @@ class Learner:
             deliver=self.service.deliver,
             stats=self.stats,
             rng_key=self._policy_key,
+            on_failure=self._fail,
         )
         self.trainer = Trainer(
             update_fn=learning.make_update_fn(network.apply, optimizer, settings),
@@ -227,10 +228,9 @@ class Learner:
         )
 
     async def _shutdown(self, server: grpc.aio.Server, finished: bool) -> None:
-        # Streams end with OK (actors exit) when training finished; otherwise the
-        # server's stop cancels them (actors retry until a learner is back).
-        if finished:
-            self.service.finish()
+        # Streams end with OK (actors exit) when training finished; otherwise with
+        # UNAVAILABLE (actors retry until a learner is back).
+        self.service.stop_serving(finished)
         await asyncio.to_thread(self.trainer.stop)
         await asyncio.to_thread(self.inference.stop)
         await server.stop(grace=2.0 if finished else 0.5)

@@ -22,7 +22,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from learner.batcher import DynamicBatcher, InferenceRequest
-from learner.inference import FINISHED, ParameterSource
+from learner.inference import STOPPED, ParameterSource
 from learner.stats import LearnerStats
 from learner.unroll_store import UnrollStore
 from seedrl.codec import StepCodec, WireError
@@ -146,6 +146,8 @@ class LearnerService:
         self._hello_timeout_s = hello_timeout_s
         self._owners = itertools.count(1)
         self.streams: dict[int, ActorStream] = {}
+        # Set when the learner stops serving; `finished` says whether training is over.
+        self.stopping = False
         # Every stream accepted (bounded): owner -> (actor id, run id), to name unrolls.
         self.history: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
         self.finished = False
@@ -164,32 +166,47 @@ class LearnerService:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(_resolve, batch, replies)
 
-    def finish(self) -> None:
-        """Training is over: streams end with OK at their next message."""
-        self.finished = True
+    def stop_serving(self, finished: bool) -> None:
+        """Ends every stream at its next message or reply.
+
+        With `finished` (training is over) streams end with OK and actors exit;
+        otherwise with UNAVAILABLE, and actors retry until a learner is back.
+        """
+        self.finished = finished
+        self.stopping = True
+
+    def _end_of_service(self) -> None:
+        """Ends the calling stream as `stop_serving` decided."""
+        if self.finished:
+            return
+        raise StreamRefused(grpc.StatusCode.UNAVAILABLE, "the learner is stopping; reconnect later")
 
     async def stream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         del request_iterator  # read through the context, which can time out
         actor: ActorStream | None = None
         try:
             actor = await self._accept(context)
-            if actor is not None:
-                await self._serve(actor, context)
-        except StreamRefused as refusal:
             if actor is None:
+                self._end_of_service()
+                return
+            await context.write(self._welcome())
+            await self._serve(actor, context)
+        except StreamRefused as refusal:
+            if actor is None and not self.stopping:
                 self._stats.count_rejection()
             who = f"actor {actor.actor_id} run {actor.run_id}" if actor else context.peer()
-            logger.warning("stream of %s ended: %s: %s", who, refusal.code.name, refusal)
+            log = logger.info if refusal.code == grpc.StatusCode.UNAVAILABLE else logger.warning
+            log("stream of %s ended: %s: %s", who, refusal.code.name, refusal)
             await context.abort(refusal.code, str(refusal))
         finally:
             if actor is not None:
                 self._disconnect(actor)
 
     async def _accept(self, context: grpc.aio.ServicerContext) -> ActorStream | None:
-        """Reads and checks the hello, allocates slots, sends the welcome.
+        """Reads and checks the hello and registers the stream; None when stopping.
 
-        None when training has finished: the stream then ends with OK, and the
-        actor exits as every other one does.
+        Nothing here awaits after the slots are allocated, so the caller's
+        cleanup always covers them.
         """
         try:
             raw = await asyncio.wait_for(context.read(), self._hello_timeout_s)
@@ -201,7 +218,7 @@ class LearnerService:
         if raw is grpc.aio.EOF:
             raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, "stream closed before its hello")
         hello = check_hello(parse_message(raw, "the first message"), self.env_spec, self._max_envs)
-        if self.finished:
+        if self.stopping:
             return None
         owner = next(self._owners)
         actor = ActorStream(
@@ -232,22 +249,25 @@ class LearnerService:
             actor.peer,
             actor.num_envs,
         )
-        welcome = seedrl_pb2.LearnerMessage(
-            welcome=seedrl_pb2.Welcome(
-                action_spec=self.env_spec.action.to_proto(),
-                policy_version=self._parameters.version,
-                learner_id=self.learner_id,
-            )
-        )
-        await context.write(welcome.SerializeToString())
         return actor
+
+    def _welcome(self) -> bytes:
+        welcome = seedrl_pb2.Welcome(
+            action_spec=self.env_spec.action.to_proto(),
+            policy_version=self._parameters.version,
+            learner_id=self.learner_id,
+        )
+        return seedrl_pb2.LearnerMessage(welcome=welcome).SerializeToString()
 
     async def _serve(self, actor: ActorStream, context: grpc.aio.ServicerContext) -> None:
         codec = StepCodec(self.env_spec.observation, self.env_spec.action, actor.num_envs)
         loop = asyncio.get_running_loop()
         while True:
             raw = await context.read()
-            if raw is grpc.aio.EOF or self.finished:
+            if raw is grpc.aio.EOF:
+                return
+            if self.stopping:
+                self._end_of_service()
                 return
             if actor.superseded_by:
                 raise StreamRefused(
@@ -271,7 +291,8 @@ class LearnerService:
             reply = loop.create_future()
             self._batcher.submit(InferenceRequest(actor.owner, actor.slots, step, reply))
             result = await reply
-            if result is FINISHED:
+            if result is STOPPED:
+                self._end_of_service()
                 return
             if isinstance(result, BaseException):
                 raise StreamRefused(

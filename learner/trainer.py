@@ -72,13 +72,15 @@ class Trainer:
             self._thread.join()
 
     def _next_batch(self) -> list[Unroll] | None:
+        """B unrolls, or None once asked to stop (even while unrolls keep coming)."""
         batch: list[Unroll] = []
         while len(batch) < self._batch_size:
+            if self._stop.is_set():
+                return None
             try:
                 batch.append(self._unrolls.get(timeout=0.1))
             except queue.Empty:
-                if self._stop.is_set():
-                    return None
+                continue
         return batch
 
     def _run(self) -> None:

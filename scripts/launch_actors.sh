@@ -52,7 +52,7 @@ fi
 [ -z "$log_dir" ] || mkdir -p "$log_dir"
 
 declare -A pid_of index_of started_at backoff
-finished=0 refused=0 stopping=0
+finished=0 refused=0 stopping=0 sleep_pid=""
 
 start_actor() {
   local i=$1 name="$prefix-$1"
@@ -70,7 +70,7 @@ start_actor() {
 
 stop_all() {
   stopping=1
-  local pids=("${pid_of[@]}")
+  local pids=("${pid_of[@]}" $sleep_pid)
   [ ${#pids[@]} -eq 0 ] || kill -TERM "${pids[@]}" 2>/dev/null
   wait
   exit 130
@@ -98,7 +98,9 @@ while [ ${#pid_of[@]} -gt 0 ]; do
   (( SECONDS - started_at[$i] < 60 )) || backoff[$i]=1
   echo "launch_actors: actor $prefix-$i exited with $status; restarting in ${backoff[$i]} s" >&2
   sleep "${backoff[$i]}" &
-  wait $! 2>/dev/null
+  sleep_pid=$!
+  wait $sleep_pid 2>/dev/null
+  sleep_pid=""
   start_actor "$i"
   backoff[$i]=$(( backoff[$i] * 2 > 30 ? 30 : backoff[$i] * 2 ))
 done

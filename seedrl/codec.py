@@ -82,12 +82,17 @@ class StepCodec:
 
     def decode_step(self, step: seedrl_pb2.Step) -> EnvStep:
         """K env results as read-only views onto the message's bytes."""
-        if len(step.observations) != self._obs_nbytes:
+        # Each read of a bytes field makes a new copy with upb: read every field once.
+        data = step.observations
+        if len(data) != self._obs_nbytes:
             raise WireError(
-                f"observations hold {len(step.observations)} bytes, expected "
+                f"observations hold {len(data)} bytes, expected "
                 f"{self._obs_nbytes} ({self.num_envs} envs x {self.observation_spec})"
             )
-        observations = np.frombuffer(step.observations, self._obs_dtype).reshape(self._obs_shape)
+        observations = np.frombuffer(data, self._obs_dtype).reshape(self._obs_shape)
+        if self._obs_dtype.kind == "f" and not np.isfinite(observations).all():
+            # One NaN would reach the gradients and spoil the parameters for everyone.
+            raise WireError("observations are not all finite")
         rewards = self._read(step.rewards, REWARD_DTYPE, (self.num_envs,), "rewards")
         if not np.isfinite(rewards).all():
             raise WireError(f"rewards are not all finite: {rewards.tolist()}")

@@ -71,10 +71,9 @@ class LearnerThread:
 
 
 def learner_config(env: str, run_dir: pathlib.Path, **overrides) -> LearnerConfig:
-    base = preset_for(env)
-    return dataclasses.replace(
-        base, port=0, bind_address="127.0.0.1", run_dir=str(run_dir), **overrides
-    )
+    """The env's preset on a free loopback port, with `overrides`."""
+    settings = {"port": 0, "bind_address": "127.0.0.1", "run_dir": str(run_dir), **overrides}
+    return dataclasses.replace(preset_for(env), **settings)
 
 
 class ActorProcess:

@@ -54,12 +54,16 @@ def test_truncation_bootstraps_from_the_final_observation():
 def test_termination_does_not_bootstrap():
     inputs, result = targets("terminated")
     np.testing.assert_allclose(result.vs[0, 0], 2.0)
+    np.testing.assert_allclose(result.pg_advantages[0, 0], 2.0 - 1.0)
     np.testing.assert_array_equal(inputs.mask[:, 0], [1.0, 0.0])
+    np.testing.assert_array_equal(inputs.discounts[:, 0], [0.0, 0.0])
 
 
-def test_auto_reset_transition_carries_no_target():
-    _, result = targets("truncated")
-    # Its value target is V(x1) itself and its advantage 0: it teaches nothing.
+@pytest.mark.parametrize("end", ["truncated", "terminated"])
+def test_auto_reset_transition_carries_no_target(end):
+    _, result = targets(end)
+    # Its value target is V(x1) itself and its advantage 0: it teaches nothing,
+    # and V(x2), the next episode's first value, reaches no target of this one.
     np.testing.assert_allclose(result.vs[1, 0], 5.0)
     np.testing.assert_allclose(result.pg_advantages[1, 0], 0.0)
 

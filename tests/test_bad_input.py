@@ -105,6 +105,11 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "rewards are not all finite",
     ),
+    "a non-finite observation": (
+        [hello(), step(observations=np.array([0.0] * 11 + [np.nan], "<f4").tobytes())],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "observations are not all finite",
+    ),
     "a second hello": (
         [hello(), step(), hello()],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -181,7 +186,7 @@ def test_a_silent_stream_is_ended_at_the_hello_timeout(tmp_path):
 def test_a_hello_after_training_finished_ends_with_ok(tmp_path):
     fleet = LearnerThread(learner_config(ENV, tmp_path / "run"), train=False).start()
     try:
-        fleet.learner.service.finish()
+        fleet.learner.service.stop_serving(finished=True)
         with grpc.insecure_channel(fleet.address) as channel:
             call = channel.stream_stream(STREAM_PATH)(iter([hello()]), timeout=30)
             replies = list(call)  # raises on any status but OK

@@ -22,7 +22,7 @@ import pytest
 
 from envs import counting
 from learner.unroll_store import Unroll
-from tests.fleet import LearnerThread, learner_config, spawn_actor, wait_until
+from tests.fleet import LearnerThread, free_port, learner_config, spawn_actor, wait_until
 
 ENV = "counting:v0"
 
@@ -200,3 +200,34 @@ def test_an_actor_is_refused_for_the_wrong_env_and_exits(fleet, tmp_path):
     code = actor.wait(timeout_s=60)
     assert code == 2, actor.log()
     assert "does not match the learner's env 'counting:v0'" in actor.log()
+
+
+def test_a_stopped_learner_leaves_actors_retrying_until_one_is_back(tmp_path):
+    port = free_port()
+    config = learner_config(ENV, tmp_path / "run", port=port)
+    first = LearnerThread(config, train=True).start()
+    actor = spawn_actor(first.address, ENV, 2, "patient", tmp_path / "actors")
+    try:
+        wait_until(lambda: first.learner.stats.updates >= 5, 60, "training with a live actor")
+        (old_run,) = [s.run_id for s in first.learner.service.streams.values()]
+        stopped_at = time.monotonic()
+        first.stop()  # fails the test if the learner does not stop
+        assert time.monotonic() - stopped_at < 15
+        # Not "training finished": the actor must not exit, it retries.
+        assert actor.process.poll() is None, actor.log()
+        second = LearnerThread(learner_config(ENV, tmp_path / "run2", port=port)).start()
+        try:
+            wait_until(
+                lambda: (
+                    [s.actor_id for s in second.learner.service.streams.values()] == ["patient"]
+                ),
+                60,
+                "the actor to reconnect to the new learner",
+            )
+            (new_run,) = [s.run_id for s in second.learner.service.streams.values()]
+            assert new_run != old_run
+        finally:
+            second.stop()
+        assert "UNAVAILABLE" in actor.log() and "retrying" in actor.log()
+    finally:
+        actor.kill()

@@ -64,8 +64,8 @@ def test_run_local_trains_to_the_end_and_leaves_nothing_running(tmp_path):
     assert script.wait(timeout=300) == 0, (tmp_path / "run_local.log").read_text()[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["env_steps"] >= 4000
-    # Both actors ran against this learner (whether both connected before the
-    # 4,000 steps were done depends on their backoff timing).
+    # Both actor processes were started and pointed at this learner (whether both
+    # connected before the 4,000 steps were done depends on their backoff timing).
     logs = sorted((tmp_path / "run" / "actors").iterdir())
     assert [p.name for p in logs] == ["actor-0.log", "actor-1.log"]
     assert all(f"127.0.0.1:{port}" in p.read_text() for p in logs)
