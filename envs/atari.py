@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import first_step
+from envs.base import first_step, spec_of_one
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -114,8 +114,4 @@ def make(
 
 
 def spec(name: str) -> EnvSpec:
-    env = AtariVectorEnv(name, num_envs=1)
-    try:
-        return env.spec
-    finally:
-        env.close()
+    return spec_of_one(lambda: AtariVectorEnv(name, num_envs=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -43,3 +44,12 @@ def first_step(observations: np.ndarray) -> EnvStep:
         terminated=np.zeros(num_envs, np.bool_),
         truncated=np.zeros(num_envs, np.bool_),
     )
+
+
+def spec_of_one(make_one: Callable[[], VectorEnv]) -> EnvSpec:
+    """The spec of a family's env, read off a single env that is closed at once."""
+    env = make_one()
+    try:
+        return env.spec
+    finally:
+        env.close()

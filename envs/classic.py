@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envs.base import first_step
+from envs.base import first_step, spec_of_one
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -76,8 +76,4 @@ def make(name: str, num_envs: int, seed: int | None = None) -> ClassicVectorEnv:
 
 
 def spec(name: str) -> EnvSpec:
-    env = ClassicVectorEnv(name, num_envs=1)
-    try:
-        return env.spec
-    finally:
-        env.close()
+    return spec_of_one(lambda: ClassicVectorEnv(name, num_envs=1))

@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import signal
+import time
 
 import grpc.aio
 import jax
@@ -38,6 +39,8 @@ from seedrl.specs import EnvSpec
 from seedrl.transport import server_options
 
 logger = logging.getLogger(__name__)
+
+COMPLETION_CHECK_S = 0.25
 
 
 def learning_rate_schedule(config: LearnerConfig) -> optax.Schedule:
@@ -154,6 +157,15 @@ class Learner:
         config = self.config
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        self.service.bind_loop(self._loop)
+        server = grpc.aio.server(options=server_options())
+        server.add_generic_rpc_handlers((self.service.handlers(),))
+        address = f"{config.bind_address}:{config.port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError:
+            logger.error("cannot listen on %s: is another learner using that port?", address)
+            return 2
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.json"), "w") as file:
             json.dump(dataclasses.asdict(config), file, indent=2)
@@ -163,11 +175,6 @@ class Learner:
             self.env_spec.frames_per_step,
             config.total_env_steps,
         )
-        self.service.bind_loop(self._loop)
-        server = grpc.aio.server(options=server_options())
-        server.add_generic_rpc_handlers((self.service.handlers(),))
-        address = f"{config.bind_address}:{config.port}"
-        self.port = server.add_insecure_port(address)
         for signum in (signal.SIGINT, signal.SIGTERM):
             # Off the main thread (tests) there are no signals: the caller stops us.
             with contextlib.suppress(RuntimeError, ValueError):
@@ -187,45 +194,47 @@ class Learner:
         if ready is not None:
             ready.set()
         finished = False
+        next_log = time.monotonic() + config.log_interval_s
         try:
             while not self._stopping.is_set():
+                # Completion is checked often, so a fast run stops close to its target.
+                wait_s = min(COMPLETION_CHECK_S, max(0.0, next_log - time.monotonic()))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), config.log_interval_s)
-                record = metrics.record()
-                record["unroll_queue_depth"] = self.unrolls.qsize()
-                metrics.write(record)
-                print(metrics.console_line(record), flush=True)
-                if record["env_steps"] >= config.total_env_steps:
+                    await asyncio.wait_for(self._stopping.wait(), wait_s)
+                if time.monotonic() >= next_log:
+                    next_log += config.log_interval_s
+                    record = metrics.record(self.unrolls.qsize())
+                    metrics.write(record)
+                    print(metrics.console_line(record), flush=True)
+                reason = self._completion()
+                if reason:
                     finished = True
-                    logger.info("reached %d env steps: training finished", config.total_env_steps)
-                    break
-                if self._return_reached(record):
-                    finished = True
-                    logger.info(
-                        "mean return %.2f of the last %d episodes reached %.2f: training finished",
-                        record["episode_return_mean"],
-                        RETURN_WINDOW,
-                        config.stop_at_return,
-                    )
+                    logger.info("%s: training finished", reason)
                     break
         finally:
             await self._shutdown(server, finished)
-            record = metrics.record()
-            record["unroll_queue_depth"] = self.unrolls.qsize()
+            record = metrics.record(self.unrolls.qsize())
             metrics.write(record)
+            print(metrics.console_line(record), flush=True)
             metrics.close()
         if self._failure is not None:
             logger.error("the learner stopped because of: %r", self._failure)
             return 1
         return 0
 
-    def _return_reached(self, record: dict) -> bool:
+    def _completion(self) -> str:
+        """Why training is complete, or "" while it is not."""
+        env_steps, returns = self.stats.progress()
+        if env_steps >= self.config.total_env_steps:
+            return f"reached {env_steps} of {self.config.total_env_steps} env steps"
         target = self.config.stop_at_return
-        return (
-            target is not None
-            and record["episodes"] >= RETURN_WINDOW
-            and record["episode_return_mean"] >= target
-        )
+        if target is not None and len(returns) >= RETURN_WINDOW:
+            mean = sum(returns) / len(returns)
+            if mean >= target:
+                return (
+                    f"mean return {mean:.2f} of the last {len(returns)} episodes reached {target:g}"
+                )
+        return ""
 
     async def _shutdown(self, server: grpc.aio.Server, finished: bool) -> None:
         # Streams end with OK (actors exit) when training finished; otherwise with

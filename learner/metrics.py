@@ -31,7 +31,8 @@ class MetricsLogger:
         self._last_env_steps = 0
         self._last_updates = 0
 
-    def record(self) -> dict[str, Any]:
+    def record(self, unroll_queue_depth: int) -> dict[str, Any]:
+        """The figures of the interval since the previous record."""
         now = time.time()
         snapshot = self._stats.snapshot()
         interval = max(now - self._last_time, 1e-9)
@@ -69,7 +70,7 @@ class MetricsLogger:
             ),
             "inference_batch_mean": _round(mean("inference_batch_envs"), 2),
             "inference_latency_ms": _round(mean("inference_latency_s", 1000.0), 3),
-            "unroll_queue_depth": None,
+            "unroll_queue_depth": unroll_queue_depth,
             "connected_actors": snapshot["connected_actors"],
             "connected_envs": snapshot["connected_envs"],
             "rejected_streams": snapshot["rejected_streams"],

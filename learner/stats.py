@@ -84,7 +84,12 @@ class LearnerStats:
         with self._lock:
             self.rejected_streams += 1
 
-    # -- reader -------------------------------------------------------------
+    # -- readers ------------------------------------------------------------
+
+    def progress(self) -> tuple[int, list[float]]:
+        """Env steps so far and the returns of the last RETURN_WINDOW episodes."""
+        with self._lock:
+            return self.env_steps, list(self._returns)
 
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counters and the window since the last snapshot (then cleared)."""

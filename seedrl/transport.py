@@ -18,8 +18,7 @@ KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """Options for an actor's channel to the learner."""
+def _common_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -27,6 +26,13 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options for an actor's channel to the learner."""
+    return [
+        *_common_options(max_message_bytes),
         # Reconnection pacing is the actor's own (with jitter and a new run id).
         ("grpc.enable_retries", 0),
     ]
@@ -35,14 +41,10 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[st
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     """Options for the learner's server."""
     return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
+        *_common_options(max_message_bytes),
+        # Accept the actors' keepalive pings at their pace.
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-        ("grpc.http2.max_pings_without_data", 0),
-        # Many actors on one host each hold a connection; do not coalesce them.
+        # Another learner on the same port must fail to start, not share the port.
         ("grpc.so_reuseport", 0),
     ]
 

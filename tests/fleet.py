@@ -49,16 +49,24 @@ class LearnerThread:
         async def run() -> int:
             ready = asyncio.Event()
             task = asyncio.create_task(self.learner.run(ready=ready, train=self._train))
-            await ready.wait()
+            waiting = asyncio.create_task(ready.wait())
+            # Serving, or ended before it could serve (the exit code says why).
+            await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
             self._ready.set()
             return await task
 
         self.exit_code = asyncio.run(run())
 
     def start(self) -> LearnerThread:
+        """Returns once the learner serves, or once it has ended (see exit_code)."""
         self._thread.start()
         wait_until(self._ready.is_set, 60, "the learner to serve")
         return self
+
+    def wait(self, timeout_s: float) -> int | None:
+        self._thread.join(timeout=timeout_s)
+        return self.exit_code
 
     @property
     def address(self) -> str:

@@ -231,3 +231,12 @@ def test_a_stopped_learner_leaves_actors_retrying_until_one_is_back(tmp_path):
         assert "UNAVAILABLE" in actor.log() and "retrying" in actor.log()
     finally:
         actor.kill()
+
+
+def test_a_second_learner_on_a_busy_port_says_so(tmp_path):
+    first = LearnerThread(learner_config(ENV, tmp_path / "run")).start()
+    try:
+        busy = learner_config(ENV, tmp_path / "run2", port=first.learner.port)
+        assert LearnerThread(busy).start().wait(timeout_s=60) == 2
+    finally:
+        first.stop()
