@@ -13,7 +13,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import time
 import uuid
 
 import grpc
@@ -118,7 +117,6 @@ class ActorStream:
     peer: str
     num_envs: int
     slots: np.ndarray
-    connected_at: float = dataclasses.field(default_factory=time.time)
     steps: int = 0
     superseded_by: str = ""
 

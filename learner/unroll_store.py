@@ -78,31 +78,32 @@ class UnrollStore:
     # -- slots --------------------------------------------------------------
 
     def _allocate_arrays(self, capacity: int) -> None:
+        """Grows every per-slot array to `capacity` slots, keeping their contents."""
         steps = self.unroll_length + 1
-        shape = self._observation_spec.shape
-
-        def grow(old: np.ndarray | None, new_shape: tuple[int, ...], dtype, fill=0) -> np.ndarray:
-            array = np.full(new_shape, fill, dtype)
-            if old is not None:
-                array[: old.shape[0]] = old
-            return array
-
-        get = self.__dict__.get
-        self._observations = grow(
-            get("_observations"), (capacity, steps, *shape), self._observation_spec.np_dtype
-        )
-        self._actions = grow(get("_actions"), (capacity, steps), np.int32)
-        self._log_probs = grow(get("_log_probs"), (capacity, steps), np.float32)
-        self._rewards = grow(get("_rewards"), (capacity, steps), np.float32)
-        self._terminated = grow(get("_terminated"), (capacity, steps), np.bool_)
-        self._truncated = grow(get("_truncated"), (capacity, steps), np.bool_)
-        self._versions = grow(get("_versions"), (capacity, steps), np.int64)
-        self._length = grow(get("_length"), (capacity,), np.int64)
-        self._owner = grow(get("_owner"), (capacity,), np.int64, FREE)
-        # Episode bookkeeping: whether the next observation starts an episode.
-        self._episode_start = grow(get("_episode_start"), (capacity,), np.bool_, True)
-        self._episode_return = grow(get("_episode_return"), (capacity,), np.float64)
-        self._episode_length = grow(get("_episode_length"), (capacity,), np.int64)
+        layout = {  # name: (shape after the slot dimension, dtype, initial value)
+            "_observations": (
+                (steps, *self._observation_spec.shape),
+                self._observation_spec.np_dtype,
+                0,
+            ),
+            "_actions": ((steps,), np.int32, 0),
+            "_log_probs": ((steps,), np.float32, 0),
+            "_rewards": ((steps,), np.float32, 0),
+            "_terminated": ((steps,), np.bool_, False),
+            "_truncated": ((steps,), np.bool_, False),
+            "_versions": ((steps,), np.int64, 0),
+            "_length": ((), np.int64, 0),
+            "_owner": ((), np.int64, FREE),
+            # Episode bookkeeping: whether the next observation starts an episode.
+            "_episode_start": ((), np.bool_, True),
+            "_episode_return": ((), np.float64, 0.0),
+            "_episode_length": ((), np.int64, 0),
+        }
+        for name, (shape, dtype, fill) in layout.items():
+            grown = np.full((capacity, *shape), fill, dtype)
+            if self._capacity:
+                grown[: self._capacity] = getattr(self, name)
+            setattr(self, name, grown)
         self._free.extend(range(self._capacity, capacity))
         self._capacity = capacity
 

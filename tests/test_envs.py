@@ -109,3 +109,13 @@ def test_counting_env_ends_episodes_both_ways():
         terminations += int(step.terminated.sum())
         truncations += int(step.truncated.sum())
     assert terminations > 0 and truncations > 0
+
+
+def test_a_family_registered_from_outside_is_made_by_id():
+    registry.register_family("plugin", "envs.counting")
+    try:
+        env = registry.make("plugin:v0", num_envs=2, seed=0)
+        assert env.reset().observations.shape == (2, counting.OBSERVATION_SIZE)
+        assert "plugin" in registry.families()
+    finally:
+        registry._FAMILIES.pop("plugin")
