@@ -167,14 +167,15 @@ class Actor:
                 reason = f"{error.code().name}: {error.details()}"
             except (TimeoutError, ConnectionError, WireError) as error:
                 reason = str(error) or type(error).__name__
-            if self.connections > connections:
+            was_connected = self.connections > connections
+            if was_connected:
                 last_contact = time.monotonic()
             waited = time.monotonic() - last_contact
             if config.give_up_after_s and waited > config.give_up_after_s:
                 logger.error("no learner at %s for %.0f s; giving up", config.learner, waited)
                 return EXIT_GAVE_UP
             delay = backoff.delay()
-            what = "lost the stream to" if self.connections > connections else "cannot reach"
+            what = "lost the stream to" if was_connected else "cannot reach"
             logger.warning(
                 "%s the learner at %s (%s); retrying in %.1f s", what, config.learner, reason, delay
             )

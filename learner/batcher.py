@@ -30,6 +30,8 @@ class InferenceRequest:
     """The stream's id (owner of its env slots)."""
     slots: np.ndarray
     """int64 [K] env slots of the stream."""
+    slot_owners: np.ndarray
+    """int64 [K], `owner` for each slot (made once per stream, not per batch)."""
     step: EnvStep
     """What the K envs reported."""
     reply: Any

@@ -170,9 +170,7 @@ class InferenceLoop:
         self._deliver(batch, replies)
 
         slots = np.concatenate([request.slots for request in batch])
-        owners = np.concatenate(
-            [np.full(request.num_envs, request.owner, np.int64) for request in batch]
-        )
+        owners = np.concatenate([request.slot_owners for request in batch])
         step_of_batch = EnvStep(
             observations=observations[:num_envs],
             rewards=np.concatenate([r.step.rewards for r in batch]),

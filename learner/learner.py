@@ -203,9 +203,7 @@ class Learner:
                     await asyncio.wait_for(self._stopping.wait(), wait_s)
                 if time.monotonic() >= next_log:
                     next_log += config.log_interval_s
-                    record = metrics.record(self.unrolls.qsize())
-                    metrics.write(record)
-                    print(metrics.console_line(record), flush=True)
+                    self._log(metrics)
                 reason = self._completion()
                 if reason:
                     finished = True
@@ -213,14 +211,18 @@ class Learner:
                     break
         finally:
             await self._shutdown(server, finished)
-            record = metrics.record(self.unrolls.qsize())
-            metrics.write(record)
-            print(metrics.console_line(record), flush=True)
+            self._log(metrics)
             metrics.close()
         if self._failure is not None:
             logger.error("the learner stopped because of: %r", self._failure)
             return 1
         return 0
+
+    def _log(self, metrics: MetricsLogger) -> None:
+        """One line of metrics.jsonl and of the console, for the interval just ended."""
+        record = metrics.record(self.unrolls.qsize())
+        metrics.write(record)
+        print(metrics.console_line(record), flush=True)
 
     def _completion(self) -> str:
         """Why training is complete, or "" while it is not."""

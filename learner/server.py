@@ -117,6 +117,8 @@ class ActorStream:
     peer: str
     num_envs: int
     slots: np.ndarray
+    slot_owners: np.ndarray
+    """int64 [K] filled with `owner`, for the unroll store's owner check."""
     steps: int = 0
     superseded_by: str = ""
 
@@ -228,6 +230,7 @@ class LearnerService:
             peer=context.peer(),
             num_envs=hello.num_envs,
             slots=self._store.allocate(owner, hello.num_envs),
+            slot_owners=np.full(hello.num_envs, owner, np.int64),
         )
         for other in self.streams.values():
             if other.actor_id == actor.actor_id:
@@ -287,7 +290,9 @@ class LearnerService:
                     grpc.StatusCode.INVALID_ARGUMENT, f"step {actor.steps + 1}: {error}"
                 ) from error
             reply = loop.create_future()
-            self._batcher.submit(InferenceRequest(actor.owner, actor.slots, step, reply))
+            self._batcher.submit(
+                InferenceRequest(actor.owner, actor.slots, actor.slot_owners, step, reply)
+            )
             result = await reply
             if result is STOPPED:
                 self._end_of_service()

@@ -16,7 +16,8 @@ def request(owner: int, num_envs: int) -> InferenceRequest:
     step = EnvStep(
         np.zeros((num_envs, 1)), np.zeros(num_envs), np.zeros(num_envs), np.zeros(num_envs)
     )
-    return InferenceRequest(owner, np.arange(num_envs), step, reply=None)
+    slots = np.arange(num_envs)
+    return InferenceRequest(owner, slots, np.full(num_envs, owner), step, reply=None)
 
 
 def test_a_full_batch_is_taken_without_waiting_for_the_timeout():
