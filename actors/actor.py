@@ -1,11 +1,15 @@
-"""The actor: K envs in one process, one stream to the learner, no model.
+"""The actor: K envs in one process, streamed to the learner, no model.
 
 It sends a hello, then loops: send the K observations, receive K actions,
-step the envs. When the stream breaks it reconnects with capped exponential
-backoff and jitter, under a new run id and with freshly reset envs, since
-the learner has dropped what it held of the old run. It exits 0 when the
-learner ends the stream with OK (training finished), and 2 when the learner
-refuses it for a reason retrying cannot fix (wrong env, spec or protocol).
+step the envs. With `groups` G > 1 the K envs are split into G vector envs
+of K/G, each with its own stream: while one group waits for its actions the
+others step, so the envs' core never idles for the round trip (the
+double-buffered sampling of Sample Factory). When a stream breaks the actor
+reconnects every group with capped exponential backoff and jitter, under a
+new run id and with freshly reset envs, since the learner has dropped what
+it held of the old run. It exits 0 when the learner ends the stream with OK
+(training finished), and 2 when the learner refuses it for a reason retrying
+cannot fix (wrong env, spec or protocol).
 """
 
 from __future__ import annotations
@@ -56,7 +60,10 @@ class ActorConfig:
     env: str = "atari:Pong"
     """Environment id; must match the learner's."""
     num_envs: int = 8
-    """K: envs stepped in lock step and sent in one message."""
+    """K: envs this process steps."""
+    groups: int = 1
+    """G: the K envs form G groups of K/G, each sent in one message on its own stream;
+    while one group waits for its actions the others step (2 hides the round trip)."""
     actor_id: str = ""
     """Stable name of this actor; empty: HOSTNAME-PID."""
     env_threads: int = 1
@@ -79,6 +86,10 @@ class ActorConfig:
         registry.split_env_id(self.env)
         if self.num_envs < 1:
             raise ValueError(f"num_envs must be at least 1, got {self.num_envs}")
+        if self.groups < 1 or self.num_envs % self.groups:
+            raise ValueError(
+                f"groups must be at least 1 and divide num_envs {self.num_envs}, got {self.groups}"
+            )
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff needs 0 < backoff_initial_s <= backoff_max_s")
         if self.give_up_after_s < 0:
@@ -110,30 +121,52 @@ class LearnerFinished(Exception):
     """The learner ended the stream with OK: training is over."""
 
 
+@dataclasses.dataclass
+class _Group:
+    """K/G envs of the actor and the stream they are sent on."""
+
+    actor_id: str
+    env: VectorEnv
+    codec: StepCodec
+
+
 class Actor:
-    def __init__(self, config: ActorConfig, env: VectorEnv | None = None):
+    def __init__(self, config: ActorConfig, envs: list[VectorEnv] | None = None):
+        """`envs`: one vector env of K/G per group, instead of making them from the config."""
         self.config = config
         self.actor_id = config.resolved_actor_id()
         self._rng = random.Random(config.seed)
-        self.env = env or registry.make(
-            config.env, config.num_envs, seed=config.seed, **self._env_options()
-        )
-        self.codec = StepCodec(self.env.spec.observation, self.env.spec.action, config.num_envs)
+        per_group = config.num_envs // config.groups
+        if envs is None:
+            envs = [
+                registry.make(config.env, per_group, seed=config.seed, **self._env_options())
+                for _ in range(config.groups)
+            ]
+        if len(envs) != config.groups or any(env.num_envs != per_group for env in envs):
+            raise ValueError(f"expected {config.groups} vector envs of {per_group} envs")
+        self.groups = [
+            _Group(
+                actor_id=self.actor_id if config.groups == 1 else f"{self.actor_id}/{index}",
+                env=env,
+                codec=StepCodec(env.spec.observation, env.spec.action, per_group),
+            )
+            for index, env in enumerate(envs)
+        ]
         self.run_id = ""
-        self.steps = 0
+        self.env_steps = 0
         self.connections = 0
 
     def _env_options(self) -> dict:
         family, _ = registry.split_env_id(self.config.env)
         return {"num_threads": self.config.env_threads} if family == "atari" else {}
 
-    def _hello(self) -> bytes:
-        spec = self.env.spec
+    def _hello(self, group: _Group) -> bytes:
+        spec = group.env.spec
         hello = seedrl_pb2.Hello(
             protocol_version=PROTOCOL_VERSION,
-            actor_id=self.actor_id,
+            actor_id=group.actor_id,
             run_id=self.run_id,
-            num_envs=self.config.num_envs,
+            num_envs=group.env.num_envs,
             env_id=self.config.env,
             observation_spec=spec.observation.to_proto(),
             action_spec=spec.action.to_proto(),
@@ -184,36 +217,58 @@ class Actor:
     async def _run_once(self, on_welcome) -> None:
         config = self.config
         async with grpc.aio.insecure_channel(config.learner, options=channel_options()) as channel:
-            call = channel.stream_stream(STREAM_PATH)()
-            await call.write(self._hello())
-            welcome = await self._read(call, timeout=config.connect_timeout_s)
-            if welcome.WhichOneof("message") != "welcome":
-                raise WireError(f"expected a welcome, got {welcome.WhichOneof('message')}")
+            calls = [channel.stream_stream(STREAM_PATH)() for _ in self.groups]
+            for group, call in zip(self.groups, calls, strict=True):
+                await call.write(self._hello(group))
+            for call in calls:
+                welcome = await self._read(call, timeout=config.connect_timeout_s)
+                if welcome.WhichOneof("message") != "welcome":
+                    raise WireError(f"expected a welcome, got {welcome.WhichOneof('message')}")
             self.connections += 1
             on_welcome()
             logger.info(
-                "actor %s run %s connected to learner %s at %s (policy version %d)",
+                "actor %s run %s connected to learner %s at %s (policy version %d, %d streams)",
                 self.actor_id,
                 self.run_id,
                 welcome.welcome.learner_id,
                 config.learner,
                 welcome.welcome.policy_version,
+                len(calls),
             )
-            # The learner dropped our past: start every env afresh under the new run id.
-            step = self.env.reset(seed=self._rng.randrange(2**31))
-            last_log, steps_at_log = time.monotonic(), self.steps
-            while True:
-                await call.write(self.codec.encode_step(step))
-                reply = await self._read(call, timeout=None)
-                if reply.WhichOneof("message") != "actions":
-                    raise WireError(f"expected actions, got {reply.WhichOneof('message')}")
-                step = self.env.step(self.codec.decode_actions(reply.actions))
-                self.steps += 1
-                now = time.monotonic()
-                if now - last_log >= config.log_interval_s:
-                    rate = (self.steps - steps_at_log) * config.num_envs / (now - last_log)
-                    logger.info("actor %s: %.0f env steps/s", self.actor_id, rate)
-                    last_log, steps_at_log = now, self.steps
+            tasks = [
+                asyncio.create_task(self._serve(group, call))
+                for group, call in zip(self.groups, calls, strict=True)
+            ]
+            tasks.append(asyncio.create_task(self._report_progress()))
+            try:
+                # The groups live and die together: the first to end ends the run.
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for task in done:
+                task.result()  # raises what ended the run
+
+    async def _serve(self, group: _Group, call) -> None:
+        # The learner dropped our past: start every env afresh under the new run id.
+        step = group.env.reset(seed=self._rng.randrange(2**31))
+        while True:
+            await call.write(group.codec.encode_step(step))
+            reply = await self._read(call, timeout=None)
+            if reply.WhichOneof("message") != "actions":
+                raise WireError(f"expected actions, got {reply.WhichOneof('message')}")
+            # Blocks the loop while the envs step; the other groups' replies queue up meanwhile.
+            step = group.env.step(group.codec.decode_actions(reply.actions))
+            self.env_steps += group.env.num_envs
+
+    async def _report_progress(self) -> None:
+        interval = self.config.log_interval_s
+        while True:
+            before, started = self.env_steps, time.monotonic()
+            await asyncio.sleep(interval)
+            rate = (self.env_steps - before) / (time.monotonic() - started)
+            logger.info("actor %s: %.0f env steps/s", self.actor_id, rate)
 
     async def _read(self, call, timeout: float | None) -> seedrl_pb2.LearnerMessage:
         raw = await asyncio.wait_for(call.read(), timeout)
@@ -225,4 +280,5 @@ class Actor:
         return seedrl_pb2.LearnerMessage.FromString(raw)
 
     def close(self) -> None:
-        self.env.close()
+        for group in self.groups:
+            group.env.close()

@@ -23,8 +23,7 @@ import numpy as np
 from learner.batcher import DynamicBatcher, InferenceRequest
 from learner.stats import LearnerStats
 from learner.unroll_store import UnrollStore
-from seedrl.codec import ACTION_DTYPE, EnvStep
-from seedrl.proto import seedrl_pb2
+from seedrl.codec import EnvStep, encode_actions_message
 from seedrl.specs import TensorSpec
 
 logger = logging.getLogger(__name__)
@@ -157,16 +156,9 @@ class InferenceLoop:
         replies = []
         offset = 0
         for request in batch:
-            reply = seedrl_pb2.LearnerMessage(
-                actions=seedrl_pb2.Actions(
-                    actions=actions[offset : offset + request.num_envs]
-                    .astype(ACTION_DTYPE, copy=False)
-                    .tobytes(),
-                    policy_version=version,
-                )
-            )
-            replies.append(reply.SerializeToString())
-            offset += request.num_envs
+            end = offset + request.num_envs
+            replies.append(encode_actions_message(actions[offset:end], version))
+            offset = end
         self._deliver(batch, replies)
 
         slots = np.concatenate([request.slots for request in batch])

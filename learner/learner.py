@@ -18,6 +18,7 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Callable
 
 import grpc.aio
 import jax
@@ -66,8 +67,17 @@ def example_trajectories(config: LearnerConfig, env_spec: EnvSpec) -> learning.T
 
 
 class Learner:
-    def __init__(self, config: LearnerConfig, env_spec: EnvSpec | None = None):
+    def __init__(
+        self,
+        config: LearnerConfig,
+        env_spec: EnvSpec | None = None,
+        policy_fn: Callable | None = None,
+        console: bool = True,
+    ):
+        """`policy_fn` replaces the network's policy in inference (serving benchmarks);
+        `console=False` keeps the progress lines off stdout (metrics.jsonl still has them)."""
         self.config = config
+        self._console = console
         self.env_spec = env_spec or registry.spec(config.env)
         self.run_dir = config.resolved_run_dir()
         self.stats = LearnerStats()
@@ -114,7 +124,7 @@ class Learner:
             hello_timeout_s=config.hello_timeout_s,
         )
         self.inference = InferenceLoop(
-            policy_fn=learning.make_policy_fn(network.apply),
+            policy_fn=policy_fn or learning.make_policy_fn(network.apply),
             parameters=self.parameters,
             batcher=self.batcher,
             store=self.store,
@@ -222,7 +232,8 @@ class Learner:
         """One line of metrics.jsonl and of the console, for the interval just ended."""
         record = metrics.record(self.unrolls.qsize())
         metrics.write(record)
-        print(metrics.console_line(record), flush=True)
+        if self._console:
+            print(metrics.console_line(record), flush=True)
 
     def _completion(self) -> str:
         """Why training is complete, or "" while it is not."""

@@ -276,15 +276,12 @@ class LearnerService:
                     f"actor {actor.actor_id} reconnected as run {actor.superseded_by}; "
                     f"this stream of run {actor.run_id} is stale",
                 )
-            message = parse_message(raw, f"message {actor.steps + 1}")
-            kind = message.WhichOneof("message")
-            if kind != "step":
-                raise StreamRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"message {actor.steps + 1} must be a step, got {kind or 'an empty message'}",
-                )
             try:
-                step = codec.decode_step(message.step)
+                # The fast reader takes a well-formed step without copying its bytes;
+                # anything else goes through protobuf, which names what is wrong.
+                step = codec.decode_step_message(raw)
+                if step is None:
+                    step = codec.decode_step(self._step_of(raw, actor))
             except WireError as error:
                 raise StreamRefused(
                     grpc.StatusCode.INVALID_ARGUMENT, f"step {actor.steps + 1}: {error}"
@@ -303,6 +300,17 @@ class LearnerService:
                 )
             actor.steps += 1
             await context.write(result)
+
+    @staticmethod
+    def _step_of(raw: bytes, actor: ActorStream) -> seedrl_pb2.Step:
+        message = parse_message(raw, f"message {actor.steps + 1}")
+        kind = message.WhichOneof("message")
+        if kind != "step":
+            raise StreamRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"message {actor.steps + 1} must be a step, got {kind or 'an empty message'}",
+            )
+        return message.step
 
     def _disconnect(self, actor: ActorStream) -> None:
         self.streams.pop(actor.owner, None)

@@ -1,7 +1,15 @@
 """Per-step messages to and from bytes, checked against the specs of the hello.
 
-The decode side runs on the learner for every message of every actor, so it
-does no copies: arrays are read-only numpy views onto the message's bytes.
+The step and actions messages are the hot path: one of each per actor
+message, on the learner's event loop for every actor. So they are read and
+written here directly in protobuf's wire format, which for these flat
+messages of bytes fields is a few tags and lengths: the learner's arrays are
+read-only numpy views onto the bytes gRPC handed over (no copy, where the
+protobuf runtime copies each bytes field twice), and the actor's message is
+built with one copy of the observations. Anything the fast reader does not
+expect goes through the generated protobuf classes instead, so every valid
+encoding is accepted and every invalid one is reported by name.
+
 Every check raises WireError with a message that names the fault; the server
 turns it into an INVALID_ARGUMENT status for that stream alone.
 """
@@ -22,6 +30,79 @@ ACTION_DTYPE = np.dtype("<i4")
 
 class WireError(ValueError):
     """A message that does not match what the stream agreed on."""
+
+
+# Tags (field number << 3 | wire type 2, length-delimited) of the hot messages.
+_TAG_STEP = 0x12  # ActorMessage.step = 2
+_TAG_OBSERVATIONS, _TAG_REWARDS, _TAG_TERMINATED, _TAG_TRUNCATED = 0x0A, 0x12, 0x1A, 0x22
+_TAG_ACTIONS = 0x12  # LearnerMessage.actions = 2
+_TAG_ACTION_BYTES = 0x0A  # Actions.actions = 1
+_TAG_POLICY_VERSION = 0x10  # Actions.policy_version = 2, varint
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, position: int, end: int) -> tuple[int, int]:
+    """(value, next position); raises IndexError past `end`."""
+    value = shift = 0
+    while True:
+        if position >= end or shift > 63:
+            raise IndexError("truncated varint")
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, position
+        shift += 7
+
+
+def _length_delimited(data: bytes, start: int, end: int) -> dict[int, tuple[int, int]] | None:
+    """{tag: (start, end)} of the length-delimited fields in data[start:end]; the last of
+    a repeated tag wins, as in protobuf. None when anything else is there."""
+    fields: dict[int, tuple[int, int]] = {}
+    position = start
+    try:
+        while position < end:
+            tag, position = _read_varint(data, position, end)
+            if tag & 7 != 2:
+                return None
+            length, position = _read_varint(data, position, end)
+            if position + length > end:
+                return None
+            fields[tag] = (position, position + length)
+            position += length
+    except IndexError:
+        return None
+    return fields
+
+
+def step_fields(raw: bytes) -> dict[int, tuple[int, int]] | None:
+    """The byte spans of a Step's fields inside a serialised ActorMessage holding one,
+    without copying; None when `raw` is anything else (a hello, an odd encoding)."""
+    outer = _length_delimited(raw, 0, len(raw))
+    if outer is None or set(outer) != {_TAG_STEP}:
+        return None
+    start, end = outer[_TAG_STEP]
+    return _length_delimited(raw, start, end)
+
+
+def encode_actions_message(actions: np.ndarray, policy_version: int) -> bytes:
+    """A serialised LearnerMessage{actions}, as protobuf writes it."""
+    data = np.ascontiguousarray(actions, ACTION_DTYPE)
+    body = [_TAG_ACTION_BYTES.to_bytes(1, "little"), _varint(data.nbytes), data]
+    if policy_version:
+        if policy_version < 0:
+            policy_version += 1 << 64  # int64 as protobuf writes it: ten bytes
+        body += [_TAG_POLICY_VERSION.to_bytes(1, "little"), _varint(policy_version)]
+    inner = b"".join(body)
+    return b"".join((_TAG_ACTIONS.to_bytes(1, "little"), _varint(len(inner)), inner))
 
 
 class EnvStep(NamedTuple):
@@ -53,21 +134,25 @@ class StepCodec:
     # -- actor side ---------------------------------------------------------
 
     def encode_step(self, step: EnvStep) -> bytes:
-        """Serialises K env results as one ActorMessage."""
+        """Serialises K env results as one ActorMessage{step}, as protobuf would."""
         observations = np.asarray(step.observations)
         if observations.shape != self._obs_shape:
             raise WireError(
                 f"observations have shape {observations.shape}, expected {self._obs_shape}"
             )
-        message = seedrl_pb2.ActorMessage(
-            step=seedrl_pb2.Step(
-                observations=observations.astype(self._obs_dtype, copy=False).tobytes(),
-                rewards=np.asarray(step.rewards, REWARD_DTYPE).tobytes(),
-                terminated=np.asarray(step.terminated, FLAG_DTYPE).tobytes(),
-                truncated=np.asarray(step.truncated, FLAG_DTYPE).tobytes(),
-            )
+        fields = (
+            (_TAG_OBSERVATIONS, np.ascontiguousarray(observations, self._obs_dtype)),
+            (_TAG_REWARDS, np.ascontiguousarray(step.rewards, REWARD_DTYPE)),
+            (_TAG_TERMINATED, np.ascontiguousarray(step.terminated, FLAG_DTYPE)),
+            (_TAG_TRUNCATED, np.ascontiguousarray(step.truncated, FLAG_DTYPE)),
         )
-        return message.SerializeToString()
+        parts: list = []
+        for tag, array in fields:
+            if array.nbytes:  # proto3 leaves empty bytes fields out
+                parts += [tag.to_bytes(1, "little"), _varint(array.nbytes), array]
+        body_length = sum(len(part) if isinstance(part, bytes) else part.nbytes for part in parts)
+        # One copy of the observations: join reads the arrays' buffers directly.
+        return b"".join((_TAG_STEP.to_bytes(1, "little"), _varint(body_length), *parts))
 
     def decode_actions(self, actions: seedrl_pb2.Actions) -> np.ndarray:
         """int32 [K] actions from the learner, checked against the action spec."""
@@ -80,34 +165,44 @@ class StepCodec:
 
     # -- learner side -------------------------------------------------------
 
+    def decode_step_message(self, raw: bytes) -> EnvStep | None:
+        """A serialised ActorMessage{step} as views onto `raw` (no copy); None when `raw`
+        is not a step as the fast reader knows it (parse it with protobuf instead)."""
+        fields = step_fields(raw)
+        if fields is None:
+            return None
+        empty = (0, 0)
+        return self._decode(
+            *(
+                memoryview(raw)[slice(*fields.get(tag, empty))]
+                for tag in (_TAG_OBSERVATIONS, _TAG_REWARDS, _TAG_TERMINATED, _TAG_TRUNCATED)
+            )
+        )
+
     def decode_step(self, step: seedrl_pb2.Step) -> EnvStep:
-        """K env results as read-only views onto the message's bytes."""
+        """K env results from a parsed Step, as read-only views onto its bytes."""
         # Each read of a bytes field makes a new copy with upb: read every field once.
-        data = step.observations
-        if len(data) != self._obs_nbytes:
+        return self._decode(step.observations, step.rewards, step.terminated, step.truncated)
+
+    def _decode(self, observations, rewards, terminated, truncated) -> EnvStep:
+        if len(observations) != self._obs_nbytes:
             raise WireError(
-                f"observations hold {len(data)} bytes, expected "
+                f"observations hold {len(observations)} bytes, expected "
                 f"{self._obs_nbytes} ({self.num_envs} envs x {self.observation_spec})"
             )
-        observations = np.frombuffer(data, self._obs_dtype).reshape(self._obs_shape)
+        observations = np.frombuffer(observations, self._obs_dtype).reshape(self._obs_shape)
         if self._obs_dtype.kind == "f" and not np.isfinite(observations).all():
             # One NaN would reach the gradients and spoil the parameters for everyone.
             raise WireError("observations are not all finite")
-        rewards = self._read(step.rewards, REWARD_DTYPE, (self.num_envs,), "rewards")
+        rewards = self._read(rewards, REWARD_DTYPE, (self.num_envs,), "rewards")
         if not np.isfinite(rewards).all():
             raise WireError(f"rewards are not all finite: {rewards.tolist()}")
-        terminated = self._read_flags(step.terminated, "terminated")
-        truncated = self._read_flags(step.truncated, "truncated")
+        terminated = self._read_flags(terminated, "terminated")
+        truncated = self._read_flags(truncated, "truncated")
         return EnvStep(observations, rewards, terminated, truncated)
 
     def encode_actions(self, actions: np.ndarray, policy_version: int) -> bytes:
-        message = seedrl_pb2.LearnerMessage(
-            actions=seedrl_pb2.Actions(
-                actions=np.asarray(actions, ACTION_DTYPE).tobytes(),
-                policy_version=policy_version,
-            )
-        )
-        return message.SerializeToString()
+        return encode_actions_message(actions, policy_version)
 
     # -- helpers ------------------------------------------------------------
 

@@ -7,7 +7,6 @@ started through their console entry point, exactly as users start them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import pathlib
@@ -15,10 +14,10 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 
+from learner.background import BackgroundLearner
 from learner.config import LearnerConfig, preset_for
 from learner.learner import Learner
 
@@ -34,48 +33,13 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.05)
 
 
-class LearnerThread:
-    """A Learner serving on a free loopback port from a background thread."""
+class LearnerThread(BackgroundLearner):
+    """A compiled Learner of `config` serving from a background thread."""
 
     def __init__(self, config: LearnerConfig, train: bool = True):
-        self.learner = Learner(config)
-        self.learner.compile()
-        self._train = train
-        self._ready = threading.Event()
-        self.exit_code: int | None = None
-        self._thread = threading.Thread(target=self._main, name="learner-main", daemon=True)
-
-    def _main(self) -> None:
-        async def run() -> int:
-            ready = asyncio.Event()
-            task = asyncio.create_task(self.learner.run(ready=ready, train=self._train))
-            waiting = asyncio.create_task(ready.wait())
-            # Serving, or ended before it could serve (the exit code says why).
-            await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
-            self._ready.set()
-            return await task
-
-        self.exit_code = asyncio.run(run())
-
-    def start(self) -> LearnerThread:
-        """Returns once the learner serves, or once it has ended (see exit_code)."""
-        self._thread.start()
-        wait_until(self._ready.is_set, 60, "the learner to serve")
-        return self
-
-    def wait(self, timeout_s: float) -> int | None:
-        self._thread.join(timeout=timeout_s)
-        return self.exit_code
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.learner.port}"
-
-    def stop(self) -> None:
-        self.learner.stop()
-        self._thread.join(timeout=60)
-        assert not self._thread.is_alive(), "the learner did not stop"
+        learner = Learner(config)
+        learner.compile()
+        super().__init__(learner, train)
 
 
 def learner_config(env: str, run_dir: pathlib.Path, **overrides) -> LearnerConfig:

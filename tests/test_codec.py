@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from seedrl.codec import EnvStep, StepCodec, WireError
+from seedrl.codec import EnvStep, StepCodec, WireError, _varint, encode_actions_message
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import ActionSpec, SpecError, TensorSpec
 
@@ -85,3 +85,97 @@ def test_specs_check_themselves():
         TensorSpec("float32", (0,))
     with pytest.raises(SpecError, match="at least 1"):
         ActionSpec(0)
+
+
+# -- the hand-written wire format of the hot messages ------------------------
+
+
+def protobuf_step(step: EnvStep) -> bytes:
+    """What the generated protobuf code writes for `step`."""
+    return seedrl_pb2.ActorMessage(
+        step=seedrl_pb2.Step(
+            observations=np.ascontiguousarray(step.observations).tobytes(),
+            rewards=np.asarray(step.rewards, "<f4").tobytes(),
+            terminated=np.asarray(step.terminated, np.uint8).tobytes(),
+            truncated=np.asarray(step.truncated, np.uint8).tobytes(),
+        )
+    ).SerializeToString()
+
+
+@pytest.mark.parametrize("num_envs", [1, 3, 16])
+def test_encode_step_writes_exactly_what_protobuf_writes(num_envs):
+    step = make_step(num_envs, np.random.default_rng(num_envs))
+    codec = StepCodec(OBS, ACTIONS, num_envs)
+    assert codec.encode_step(step) == protobuf_step(step)
+
+
+@pytest.mark.parametrize("version", [0, 1, 127, 128, 2**40, -1])
+def test_actions_message_is_what_protobuf_writes(version):
+    actions = np.array([0, 5, 2, 3], np.int32)
+    expected = seedrl_pb2.LearnerMessage(
+        actions=seedrl_pb2.Actions(actions=actions.tobytes(), policy_version=version)
+    ).SerializeToString()
+    assert encode_actions_message(actions, version) == expected
+
+
+def test_fast_decode_is_a_view_onto_the_received_bytes():
+    step = make_step(4, np.random.default_rng(1))
+    codec = StepCodec(OBS, ACTIONS, 4)
+    raw = protobuf_step(step)
+    decoded = codec.decode_step_message(raw)
+    for original, received in zip(step, decoded, strict=True):
+        np.testing.assert_array_equal(original, received)
+    assert np.shares_memory(decoded.observations, np.frombuffer(raw, np.uint8))
+
+
+def test_fast_decode_agrees_with_protobuf_on_unusual_but_valid_encodings():
+    step = make_step(2, np.random.default_rng(2))
+    codec = StepCodec(OBS, ACTIONS, 2)
+    valid = protobuf_step(step)
+    # A bytes field repeated: protobuf keeps the last one.
+    stale = StepCodec(OBS, ACTIONS, 2).encode_step(make_step(2, np.random.default_rng(3)))
+    inner_stale = seedrl_pb2.ActorMessage.FromString(stale).step.SerializeToString()
+    inner = seedrl_pb2.ActorMessage.FromString(valid).step.SerializeToString()
+    combined = seedrl_pb2.ActorMessage()
+    combined.ParseFromString(b"\x12" + _varint(len(inner_stale)) + inner_stale)
+    combined.MergeFromString(b"\x12" + _varint(len(inner)) + inner)
+    doubled = (
+        b"\x12" + _varint(len(inner_stale)) + inner_stale + b"\x12" + _varint(len(inner)) + inner
+    )
+    fast = codec.decode_step_message(doubled)
+    reference = codec.decode_step(combined.step)
+    for a, b in zip(fast, reference, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # An unknown varint field: the fast reader steps aside, protobuf skips it.
+    with_unknown = valid + b"\x28\x01"
+    assert codec.decode_step_message(with_unknown) is None
+    decoded = decode(codec, with_unknown)
+    np.testing.assert_array_equal(decoded.observations, step.observations)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",  # empty message
+        b"\x12\x05\x0a\x10abc",  # a field longer than its message
+        b"\x12",  # truncated length
+        b"\x0a\x00",  # a hello, not a step
+        b"\x12\x02\x08\x01",  # a varint where bytes are expected
+    ],
+)
+def test_fast_decode_declines_what_it_does_not_know(raw):
+    assert StepCodec(OBS, ACTIONS, 1).decode_step_message(raw) is None
+
+
+def test_fast_decode_checks_sizes_and_values_like_the_slow_path():
+    codec = StepCodec(OBS, ACTIONS, 2)
+    step = make_step(2, np.random.default_rng(4))
+    short = StepCodec(OBS, ACTIONS, 1).encode_step(EnvStep(*(array[:1] for array in step)))
+    with pytest.raises(WireError, match="observations hold"):
+        codec.decode_step_message(short)
+    bad_reward = step._replace(rewards=np.array([np.nan, 0.0], np.float32))
+    with pytest.raises(WireError, match="rewards are not all finite"):
+        codec.decode_step_message(protobuf_step(bad_reward))
+    bad_flag = protobuf_step(step._replace(terminated=np.array([2, 0], np.uint8)))
+    with pytest.raises(WireError, match="terminated flags must be 0 or 1"):
+        codec.decode_step_message(bad_flag)

@@ -19,6 +19,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from learner.networks import PolicyOutput
@@ -210,5 +211,26 @@ def make_policy_fn(
         actions = jax.random.categorical(sample_key, logits).astype(jnp.int32)
         log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=-1)
         return PolicyStep(actions, log_probs[:, 0]), key
+
+    return jax.jit(policy)
+
+
+def make_uniform_policy_fn(
+    num_actions: int,
+) -> Callable[[Params, jax.Array, jax.Array], tuple[PolicyStep, jax.Array]]:
+    """A policy with no network compute: uniform random actions (serving benchmarks).
+
+    Same signature and outputs as `make_policy_fn`'s, so the learner serves it
+    unchanged; the observations still reach the device, as a real policy's do.
+    """
+    log_prob = -float(np.log(num_actions))
+
+    def policy(
+        params: Params, observations: jax.Array, key: jax.Array
+    ) -> tuple[PolicyStep, jax.Array]:
+        del params
+        key, sample_key = jax.random.split(key)
+        actions = jax.random.randint(sample_key, observations.shape[:1], 0, num_actions, jnp.int32)
+        return PolicyStep(actions, jnp.full(actions.shape, log_prob, jnp.float32)), key
 
     return jax.jit(policy)
