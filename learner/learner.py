@@ -144,6 +144,7 @@ class Learner:
             stats=self.stats,
             learning_rate=self._schedule,
             on_failure=self._fail,
+            recycle=self.store.recycle,
         )
 
     # -- lifecycle ----------------------------------------------------------
@@ -258,6 +259,8 @@ class Learner:
         await server.stop(grace=2.0 if finished else 0.5)
 
     def stop(self) -> None:
-        """Asks a running learner to stop (thread-safe)."""
-        if self._stopping is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stopping.set)
+        """Asks a running learner to stop (thread-safe); nothing once it has ended."""
+        loop = self._loop
+        if self._stopping is not None and loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: it ended already
+                loop.call_soon_threadsafe(self._stopping.set)

@@ -47,8 +47,11 @@ class Trainer:
         stats: LearnerStats,
         learning_rate: Callable[[int], float],
         on_failure: Callable[[BaseException], None],
+        recycle: Callable[[list[Unroll]], None] | None = None,
     ):
+        """`recycle` takes back the unrolls of each batch once it is stacked."""
         self.state = state
+        self._recycle = recycle
         self._update_fn = update_fn
         self._unrolls = unrolls
         self._batch_size = batch_size
@@ -100,6 +103,8 @@ class Trainer:
 
     def _train(self, batch: list[Unroll]) -> None:
         trajectories, versions = stack_unrolls(batch)
+        if self._recycle is not None:
+            self._recycle(batch)  # stacked: nothing refers to them any more
         version = int(self.state.updates)
         self.state, metrics = self._update_fn(self.state, trajectories)
         new_version = version + 1

@@ -73,6 +73,9 @@ class UnrollStore:
         self._lock = threading.Lock()
         self._capacity = 0
         self._free: deque[int] = deque()
+        # Observation arrays of consumed unrolls, reused for the next ones: fresh
+        # memory for each unroll costs page faults that dwarf the copy itself.
+        self._spare: list[np.ndarray] = []
         self._allocate_arrays(max(1, initial_slots))
 
     # -- slots --------------------------------------------------------------
@@ -128,6 +131,16 @@ class UnrollStore:
             self._owner[mine] = FREE
             self._length[mine] = 0
             self._free.extend(mine.tolist())
+
+    def recycle(self, unrolls: list[Unroll]) -> None:
+        """Takes back the observation arrays of unrolls the caller is done with.
+
+        Optional (unrolls not given back are simply garbage collected), and only
+        for unrolls nothing refers to any more: their arrays will be overwritten.
+        """
+        with self._lock:
+            room = max(0, 2 * self._capacity - len(self._spare))
+            self._spare.extend(unroll.observations for unroll in unrolls[:room])
 
     @property
     def capacity(self) -> int:
@@ -188,10 +201,18 @@ class UnrollStore:
         self._episode_start[slots] = step.terminated | step.truncated
         return stats
 
+    def _copy_observations(self, slot: int) -> np.ndarray:
+        source = self._observations[slot]
+        if not self._spare:
+            return source.copy()
+        target = self._spare.pop()
+        np.copyto(target, source)
+        return target
+
     def _emit(self, slot: int) -> Unroll:
         last = self.unroll_length
         unroll = Unroll(
-            observations=self._observations[slot].copy(),
+            observations=self._copy_observations(slot),
             actions=self._actions[slot].copy(),
             behaviour_log_probs=self._log_probs[slot].copy(),
             rewards=self._rewards[slot].copy(),

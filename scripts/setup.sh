@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes .venv match uv.lock, installing uv first if this machine has none.
-# Usage: scripts/setup.sh [--dev]   (--dev adds the test and codegen tools)
+# Usage: scripts/setup.sh [--dev|--bench]   (--dev adds the test and codegen tools,
+#        --bench the benchmark's plotting)
 # Sourced by run_local.sh and test.sh; safe to run again (a no-op when in sync).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -10,7 +11,8 @@ extras=()
 case "${1:-}" in
   "") ;;
   --dev) extras=(--extra dev) ;;
-  *) echo "usage: $0 [--dev]" >&2; exit 2 ;;
+  --bench) extras=(--extra bench) ;;
+  *) echo "usage: $0 [--dev|--bench]" >&2; exit 2 ;;
 esac
 
 find_uv() {

@@ -95,3 +95,32 @@ def test_episode_returns_are_raw_sums_between_ends():
     assert stats.returns == [] and stats.env_steps == 0
     _, stats = feed(store, slots, 1, [4], truncated=[True])
     assert stats.returns == [4.0] and stats.lengths == [1]
+
+
+def test_recycled_observation_arrays_are_reused_and_overwritten_correctly():
+    spec = TensorSpec("float32", (2,))
+    store = UnrollStore(unroll_length=2, observation_spec=spec, initial_slots=1)
+    slots = store.allocate(owner=1, count=1)
+    owners = np.ones(1, np.int64)
+
+    def step(value: float):
+        observation = np.full((1, 2), value, np.float32)
+        zeros = np.zeros(1, bool)
+        return store.append(
+            slots,
+            owners,
+            EnvStep(observation, np.zeros(1, np.float32), zeros, zeros),
+            np.zeros(1, np.int32),
+            np.zeros(1, np.float32),
+            0,
+        )[0]
+
+    for value in (0.0, 1.0):
+        assert step(value) == []
+    (first,) = step(2.0)
+    np.testing.assert_array_equal(first.observations[:, 0], [0.0, 1.0, 2.0])
+    store.recycle([first])
+    assert step(3.0) == []
+    (second,) = step(4.0)
+    assert second.observations is first.observations  # the array came back
+    np.testing.assert_array_equal(second.observations[:, 0], [2.0, 3.0, 4.0])

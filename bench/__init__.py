@@ -1,0 +1,1 @@
+"""seedrl's throughput benchmarks: `scripts/bench.sh` or `python -m bench`."""

@@ -1,0 +1,92 @@
+"""What every benchmark case shares: settings, results, timing helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import resource
+import threading
+import time
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How long and how big each case runs; `short` is the test suite's smoke mode."""
+
+    short: bool = False
+    out_dir: str = "runs/bench"
+    duration_s: float = 20.0
+    """Measured window of each configuration (after its warm-up)."""
+    warmup_s: float = 5.0
+    """Unmeasured time before each window: compilation, connection, caches."""
+    processes: int = 0
+    """P of cases a and c: env processes; 0: one per core."""
+    envs_per_process: int = 16
+    """K of cases a and c: envs per process (and per actor message)."""
+
+
+@dataclasses.dataclass
+class Column:
+    key: str
+    header: str
+    fmt: str = "{:,.0f}"
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """One case's figures: a row per configuration, as printed and as written to JSON."""
+
+    case: str
+    """"a".."e"."""
+    title: str
+    columns: list[Column]
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What bounds the figures, what was skipped and why."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "case": self.case,
+            "title": self.title,
+            "rows": self.rows,
+            "notes": self.notes,
+        }
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU time of this process's reaped children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+class Window:
+    """A measured interval: wall time and this process's CPU time."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = cpu_seconds()
+
+    def elapsed(self) -> tuple[float, float]:
+        """(wall seconds, CPU seconds) since the window opened."""
+        return time.perf_counter() - self.wall, cpu_seconds() - self.cpu
+
+
+def drain_unrolls(unrolls: queue.Queue, stop: threading.Event, recycle) -> None:
+    """Takes a learner's unrolls where its trainer would, and gives them back as it does."""
+    while not stop.is_set():
+        try:
+            recycle([unrolls.get(timeout=0.1)])
+        except queue.Empty:
+            continue

@@ -1,0 +1,104 @@
+"""Case (a): the env stack alone, random actions, every core busy. The ceiling.
+
+P processes each step K envs of one vector env in lock step, as an actor
+does, but with random actions and no learner. All processes start their
+measured window together (a barrier), so the figure is the machine's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+
+import numpy as np
+
+from bench.common import CaseResult, Column, Settings, cores
+
+ENVS = ("atari:Pong", "counting:v0")
+
+
+def _worker(env_id: str, num_envs: int, warmup_s: float, duration_s: float, barrier, results):
+    from envs import registry
+
+    env = registry.make(env_id, num_envs, seed=0)
+    rng = np.random.default_rng(0)
+    num_actions = env.spec.action.num_actions
+    env.reset(seed=0)
+
+    def run_for(seconds: float) -> int:
+        steps, deadline = 0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            env.step(rng.integers(0, num_actions, num_envs, dtype=np.int32))
+            steps += 1
+        return steps
+
+    run_for(warmup_s)
+    barrier.wait()
+    started = time.perf_counter()
+    steps = run_for(duration_s)
+    results.put((steps * num_envs, time.perf_counter() - started, env.spec.frames_per_step))
+    env.close()
+
+
+def measure(env_id: str, processes: int, num_envs: int, warmup_s: float, duration_s: float):
+    """(env steps/s, env frames/s) of P processes x K envs with random actions."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(processes)
+    results = context.Queue()
+    workers = [
+        context.Process(
+            target=_worker, args=(env_id, num_envs, warmup_s, duration_s, barrier, results)
+        )
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    outcomes = []
+    deadline = time.monotonic() + warmup_s + duration_s + 120
+    while len(outcomes) < processes:
+        try:
+            outcomes.append(results.get(timeout=0.5))
+        except queue.Empty:
+            failed = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for worker in workers:
+                    worker.kill()
+                raise RuntimeError(f"env processes failed (exit codes {failed})") from None
+    for worker in workers:
+        worker.join()
+    steps_per_s = sum(steps / seconds for steps, seconds, _ in outcomes)
+    return steps_per_s, steps_per_s * outcomes[0][2]
+
+
+def run(settings: Settings) -> CaseResult:
+    processes = settings.processes or cores()
+    result = CaseResult(
+        case="a",
+        title="raw env: the env stack alone, random actions",
+        columns=[
+            Column("env", "env", "{}"),
+            Column("processes", "P", "{}"),
+            Column("envs_per_process", "K", "{}"),
+            Column("env_steps_per_s", "env steps/s"),
+            Column("env_frames_per_s", "env frames/s"),
+        ],
+    )
+    for env_id in ENVS:
+        steps_per_s, frames_per_s = measure(
+            env_id, processes, settings.envs_per_process, settings.warmup_s, settings.duration_s
+        )
+        result.rows.append(
+            {
+                "env": env_id,
+                "processes": processes,
+                "envs_per_process": settings.envs_per_process,
+                "env_steps_per_s": steps_per_s,
+                "env_frames_per_s": frames_per_s,
+            }
+        )
+    result.notes.append(
+        "Bound by the env's own CPU cost: ALE emulation and preprocessing in ale-py's C++ "
+        "for Pong; Python for the counting env."
+    )
+    return result

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The benchmark: raw env, serving capacity, end to end, network compute vs PyTorch.
+# Usage: scripts/bench.sh [--cases abcde] [--short] [--out-dir DIR] [--duration-s S] ...
+#        (python -m bench --help lists every option)
+# Prints a table per case; writes DIR/results.json and PNG plots (default DIR:
+# runs/bench-TIMESTAMP). About 12 minutes on 2 cores by default.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+scripts/setup.sh --bench
+# PyTorch is case (e)'s yardstick only, never a dependency of seedrl: it goes into
+# .venv beside the locked packages when pip can find it, and (e) says so when not.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "bench: installing torch==2.13.0 (CPU) into .venv as case (e)'s yardstick" >&2
+  python3 -m pip --python .venv/bin/python install --quiet "torch==2.13.0" >&2 \
+    || echo "bench: could not install torch; case (e) runs without its yardstick" >&2
+fi
+exec .venv/bin/python -m bench "$@"

@@ -1,0 +1,89 @@
+"""The benchmark's short mode, run as users run it, so the benchmark cannot rot.
+
+The figures of a seconds-long run on a shared machine are not checked
+against targets (docs/benchmarks.md has the measured ones); what is checked is
+that every case measures what it says, end to end, and reports it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.fleet import ROOT
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("bench")
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench", "--short", "--out-dir", str(out_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    results = json.loads((out_dir / "results.json").read_text())
+    return out_dir, completed.stdout, {result["case"]: result for result in results}
+
+
+def test_every_case_reports_with_machine_and_commit(short_run):
+    _, stdout, results = short_run
+    assert sorted(results) == list("abcde")
+    for case, result in results.items():
+        assert result["rows"], f"case {case} measured nothing"
+        assert result["machine"]["usable_cores"] >= 1
+        assert len(result["commit"].split("+")[0]) == 40
+        assert f"({case}) " in stdout  # its table was printed
+
+
+def test_raw_and_end_to_end_cases_measure_frames(short_run):
+    _, _, results = short_run
+    raw = {row["env"]: row for row in results["a"]["rows"]}
+    assert set(raw) == {"atari:Pong", "counting:v0"}
+    pong = raw["atari:Pong"]
+    assert pong["env_frames_per_s"] == pytest.approx(4 * pong["env_steps_per_s"])
+    (trivial,) = results["c"]["rows"]
+    assert trivial["env_frames_per_s"] > 0
+    assert trivial["raw_env_frames_per_s"] == pong["env_frames_per_s"]  # the same run's (a)
+    assert trivial["ratio_to_raw"] == pytest.approx(
+        trivial["env_frames_per_s"] / pong["env_frames_per_s"]
+    )
+    (training,) = results["d"]["rows"]
+    assert training["updates_per_s"] > 0 and training["env_frames_per_s"] > 0
+    for share in ("time_inference", "time_trainer_waiting", "time_training"):
+        assert 0 <= training[share] <= 1.05
+
+
+def test_serving_case_serves_every_stream(short_run):
+    _, _, results = short_run
+    rows = results["b"]["rows"]
+    assert [(row["streams"], row["envs_per_stream"]) for row in rows] == [
+        (16, 1),
+        (16, 16),
+        (64, 1),
+    ]
+    for row in rows:
+        assert row["streams_progressing"] == row["streams"]
+        assert row["actor_steps_per_s"] > 0 and row["learner_cpu_us_per_step"] > 0
+        assert 0 < row["latency_p50_ms"] <= row["latency_p99_ms"]
+
+
+def test_network_case_times_forward_and_train_step(short_run):
+    _, _, results = short_run
+    rows = results["e"]["rows"]
+    jax_rows = [row for row in rows if row["framework"] == "jax"]
+    assert {row["what"] for row in jax_rows} == {"forward", "train_step"}
+    assert all(row["samples_per_s"] > 0 for row in jax_rows)
+
+
+def test_plots_are_png_files(short_run):
+    out_dir, _, _ = short_run
+    for name in ("frames_per_s.png", "serving.png", "network.png"):
+        assert (out_dir / name).read_bytes()[:8] == PNG_MAGIC, name

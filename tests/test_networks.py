@@ -1,0 +1,112 @@
+"""The torsos: parameter layout of the Nature CNN, and its values and gradients against a reference.
+
+The reference computes the DQN torso from the same parameters in another
+formulation (NCHW input, OIHW kernels, the layout PyTorch and ALE use), so a
+change of how NatureCNN computes its convolutions (layout, space-to-depth,
+patches) must keep both the outputs and the gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from learner.networks import NatureCNN, make_network
+
+OBSERVATION_SHAPE = (4, 84, 84)
+
+
+def _observations(count: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (count, *OBSERVATION_SHAPE), dtype=np.uint8)
+
+
+def reference_nature_cnn(params, observations: jax.Array) -> jax.Array:
+    """The DQN torso in NCHW with OIHW kernels, from NatureCNN's parameters."""
+    x = observations.astype(jnp.float32) / 255.0
+    for name, stride in (("Conv_0", 4), ("Conv_1", 2), ("Conv_2", 1)):
+        kernel = jnp.transpose(params[name]["kernel"], (3, 2, 0, 1))  # HWIO -> OIHW
+        x = lax.conv_general_dilated(
+            x,
+            kernel,
+            (stride, stride),
+            "VALID",
+            dimension_numbers=("NCHW", "OIHW", "NCHW"),
+            precision=lax.Precision.HIGHEST,
+        )
+        x = jax.nn.relu(x + params[name]["bias"][None, :, None, None])
+    # NatureCNN flattens channels-last: [N, H, W, C].
+    x = jnp.transpose(x, (0, 2, 3, 1)).reshape(x.shape[0], -1)
+    dense = params["Dense_0"]
+    return jax.nn.relu(jnp.dot(x, dense["kernel"], precision=lax.Precision.HIGHEST) + dense["bias"])
+
+
+@pytest.fixture(scope="module")
+def torso_params():
+    return NatureCNN().init(jax.random.key(0), _observations(1))["params"]
+
+
+def test_nature_cnn_parameters_keep_their_names_and_shapes(torso_params):
+    shapes = jax.tree.map(jnp.shape, torso_params)
+    assert shapes == {
+        "Conv_0": {"kernel": (8, 8, 4, 32), "bias": (32,)},
+        "Conv_1": {"kernel": (4, 4, 32, 64), "bias": (64,)},
+        "Conv_2": {"kernel": (3, 3, 64, 64), "bias": (64,)},
+        "Dense_0": {"kernel": (7 * 7 * 64, 512), "bias": (512,)},
+    }
+
+
+def _nonzero_biases(params):
+    """Small random biases, so the reference's bias placement is tested too."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    return jax.tree.unflatten(
+        treedef,
+        [
+            leaf + 0.01 * jax.random.normal(key, leaf.shape) if leaf.ndim == 1 else leaf
+            for leaf, key in zip(leaves, keys, strict=True)
+        ],
+    )
+
+
+def test_nature_cnn_matches_the_reference(torso_params):
+    params = _nonzero_biases(torso_params)
+    observations = jnp.asarray(_observations(3, seed=1))
+    got = NatureCNN().apply({"params": params}, observations)
+    want = reference_nature_cnn(params, observations)
+    assert got.shape == (3, 512)
+    assert float(jnp.max(jnp.abs(want))) > 0.0
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_nature_cnn_gradients_match_the_reference(torso_params):
+    params = _nonzero_biases(torso_params)
+    observations = jnp.asarray(_observations(3, seed=2))
+    weights = jax.random.normal(jax.random.key(3), (3, 512))
+
+    def loss(apply):
+        return lambda p: jnp.sum(apply(p) * weights)
+
+    got = jax.grad(loss(lambda p: NatureCNN().apply({"params": p}, observations)))(params)
+    want = jax.grad(loss(lambda p: reference_nature_cnn(p, observations)))(params)
+    for path, got_leaf in jax.tree_util.tree_leaves_with_path(got):
+        want_leaf = want
+        for key in path:
+            want_leaf = want_leaf[key.key]
+        scale = float(jnp.max(jnp.abs(want_leaf)))
+        assert scale > 0.0, path
+        np.testing.assert_allclose(
+            got_leaf, want_leaf, rtol=0, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def test_actor_critic_heads_have_the_expected_shapes():
+    network = make_network("nature_cnn", num_actions=6)
+    observations = _observations(2)
+    params = network.init(jax.random.key(0), observations)
+    output = network.apply(params, observations)
+    assert output.logits.shape == (2, 6)
+    assert output.values.shape == (2,)
