@@ -29,7 +29,10 @@ from learner import xla_flags
 
 # XLA reads XLA_FLAGS when JAX starts its backend: set them at import, before
 # any case runs. False when a backend was already up (the flags then do nothing).
-XLA_FLAGS_IN_EFFECT = xla_flags.apply()
+# Importing `learner` applies them already, before any JAX computation of this
+# program; apply() only reports whether the backend had started since.
+_SET_EARLIER = all(flag in os.environ.get("XLA_FLAGS", "").split() for flag in xla_flags.CPU_FLAGS)
+XLA_FLAGS_IN_EFFECT = xla_flags.apply() or _SET_EARLIER
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -39,6 +42,7 @@ import optax  # noqa: E402
 from bench.common import CaseResult, Column, Settings, cores  # noqa: E402
 from learner.agents.vtrace import learning  # noqa: E402
 from learner.config import PRESETS  # noqa: E402
+from learner.learner import loss_settings, optimizer_for  # noqa: E402
 from learner.networks import make_network  # noqa: E402
 
 NUM_ACTIONS = 6
@@ -77,18 +81,6 @@ def _trajectories(steps: int, batch: int, rng: np.random.Generator) -> learning.
 # -- JAX ----------------------------------------------------------------------
 
 
-def _loss_settings(config) -> learning.LossSettings:
-    return learning.LossSettings(
-        discount=config.discount,
-        lambda_=config.vtrace_lambda,
-        clip_rho_threshold=config.clip_rho_threshold,
-        clip_pg_rho_threshold=config.clip_pg_rho_threshold,
-        baseline_cost=config.baseline_cost,
-        entropy_cost=config.entropy_cost,
-        reward_clipping=config.reward_clipping,
-    )
-
-
 class _Jax:
     def __init__(self, config) -> None:
         self.config = config
@@ -112,15 +104,8 @@ class _Jax:
         config = self.config
         # The learner's schedule decays linearly; a schedule costs nothing measurable.
         schedule = optax.linear_schedule(config.learning_rate, 0.0, 1_000_000)
-        optimizer = learning.make_optimizer(
-            config.optimizer,
-            schedule,
-            config.max_grad_norm,
-            config.optimizer_epsilon,
-            config.rmsprop_decay,
-            config.rmsprop_momentum,
-        )
-        update_fn = learning.make_update_fn(self.network.apply, optimizer, _loss_settings(config))
+        optimizer = optimizer_for(config, schedule)
+        update_fn = learning.make_update_fn(self.network.apply, optimizer, loss_settings(config))
         state = [learning.TrainState(self.params, optimizer.init(self.params), jnp.int32(0))]
         batch = jax.device_put(trajectories)
 

@@ -48,7 +48,32 @@ def learning_rate_schedule(config: LearnerConfig) -> optax.Schedule:
     if not config.learning_rate_decay:
         return optax.constant_schedule(config.learning_rate)
     total_updates = max(1, config.total_env_steps // (config.unroll_length * config.batch_size))
+    # The schedule's step count is an int32 on the device.
+    total_updates = min(total_updates, 2**31 - 1)
     return optax.linear_schedule(config.learning_rate, 0.0, total_updates)
+
+
+def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    return learning.make_optimizer(
+        config.optimizer,
+        schedule,
+        config.max_grad_norm,
+        config.optimizer_epsilon,
+        config.rmsprop_decay,
+        config.rmsprop_momentum,
+    )
+
+
+def loss_settings(config: LearnerConfig) -> learning.LossSettings:
+    return learning.LossSettings(
+        discount=config.discount,
+        lambda_=config.vtrace_lambda,
+        clip_rho_threshold=config.clip_rho_threshold,
+        clip_pg_rho_threshold=config.clip_pg_rho_threshold,
+        baseline_cost=config.baseline_cost,
+        entropy_cost=config.entropy_cost,
+        reward_clipping=config.reward_clipping,
+    )
 
 
 def example_trajectories(config: LearnerConfig, env_spec: EnvSpec) -> learning.Trajectories:
@@ -92,23 +117,8 @@ class Learner:
         example_observation = np.zeros((1, *spec.observation.shape), spec.observation.np_dtype)
         params = network.init(init_key, example_observation)
         self._schedule = learning_rate_schedule(config)
-        optimizer = learning.make_optimizer(
-            config.optimizer,
-            self._schedule,
-            config.max_grad_norm,
-            config.optimizer_epsilon,
-            config.rmsprop_decay,
-            config.rmsprop_momentum,
-        )
-        settings = learning.LossSettings(
-            discount=config.discount,
-            lambda_=config.vtrace_lambda,
-            clip_rho_threshold=config.clip_rho_threshold,
-            clip_pg_rho_threshold=config.clip_pg_rho_threshold,
-            baseline_cost=config.baseline_cost,
-            entropy_cost=config.entropy_cost,
-            reward_clipping=config.reward_clipping,
-        )
+        optimizer = optimizer_for(config, self._schedule)
+        settings = loss_settings(config)
         state = learning.TrainState(params, optimizer.init(params), jax.numpy.int32(0))
         self.parameters = ParameterSource(params, version=0)
         self.unrolls: queue.Queue = queue.Queue(maxsize=config.unroll_queue_size)
