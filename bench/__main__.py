@@ -23,24 +23,12 @@ CASES = "abcde"
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(Settings):
     """Measures seedrl's throughput on this machine; see docs/benchmarks.md."""
 
     cases: str = CASES
     """Which cases to run, e.g. "ac": a raw env, b serving, c end to end trivial, d training,
     e network compute."""
-    short: bool = False
-    """Seconds per case instead of minutes (the test suite's smoke run)."""
-    out_dir: str = ""
-    """Where results.json and the plots go; empty: runs/bench-TIMESTAMP."""
-    duration_s: float = 20.0
-    """Measured window of each configuration."""
-    warmup_s: float = 5.0
-    """Unmeasured time before each window."""
-    processes: int = 0
-    """P of cases a, c, d: env processes; 0: one per core."""
-    envs_per_process: int = 32
-    """K of cases a, c, d: envs per process (split in 2 groups of K/2 in c and d)."""
 
 
 def run_cases(config: BenchConfig) -> dict[str, CaseResult]:

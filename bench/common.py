@@ -13,18 +13,20 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How long and how big each case runs; `short` is the test suite's smoke mode."""
+    """How long and how big each case runs."""
 
     short: bool = False
-    out_dir: str = "runs/bench"
+    """Seconds per case instead of minutes (the test suite's smoke run)."""
+    out_dir: str = ""
+    """Where results.json and the plots go; empty: runs/bench-TIMESTAMP."""
     duration_s: float = 20.0
-    """Measured window of each configuration (after its warm-up)."""
+    """Measured window of each configuration."""
     warmup_s: float = 5.0
     """Unmeasured time before each window: compilation, connection, caches."""
     processes: int = 0
-    """P of cases a and c: env processes; 0: one per core."""
-    envs_per_process: int = 16
-    """K of cases a and c: envs per process (and per actor message)."""
+    """P of cases a, c, d: env processes; 0: one per core."""
+    envs_per_process: int = 32
+    """K of cases a, c, d: envs per process (c also splits them in 2 groups of K/2)."""
 
 
 @dataclasses.dataclass

@@ -25,25 +25,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from learner import xla_flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-# XLA reads XLA_FLAGS when JAX starts its backend: set them at import, before
-# any case runs. False when a backend was already up (the flags then do nothing).
-# Importing `learner` applies them already, before any JAX computation of this
-# program; apply() only reports whether the backend had started since.
-_SET_EARLIER = all(flag in os.environ.get("XLA_FLAGS", "").split() for flag in xla_flags.CPU_FLAGS)
-XLA_FLAGS_IN_EFFECT = xla_flags.apply() or _SET_EARLIER
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from bench.common import CaseResult, Column, Settings, cores  # noqa: E402
-from learner.agents.vtrace import learning  # noqa: E402
-from learner.config import PRESETS  # noqa: E402
-from learner.learner import loss_settings, optimizer_for  # noqa: E402
-from learner.networks import make_network  # noqa: E402
+from bench.common import CaseResult, Column, Settings, cores
+from learner.agents.vtrace import learning
+from learner.config import PRESETS
+from learner.learner import loss_settings, optimizer_for
+from learner.networks import make_network
 
 NUM_ACTIONS = 6
 OBSERVATION_SHAPE = (4, 84, 84)
@@ -364,13 +355,8 @@ def run(settings: Settings) -> CaseResult:
     notes = [
         f"jax {jax.__version__} on {jax.default_backend()}; {torch_note}; {threads} cores: "
         f"torch.set_num_threads({threads}), XLA's intra-op pool uses every core.",
-        f"XLA_FLAGS={flags!r}"
-        + (
-            ""
-            if XLA_FLAGS_IN_EFFECT
-            else " (set after JAX had started its backend: not in effect in this run; "
-            "import bench.network or call learner.xla_flags.apply() first)"
-        ),
+        # Importing `learner` (below) set them before this program's first JAX use.
+        f"XLA_FLAGS={flags!r}",
         "forward: Nature CNN apply + action sampling (learning.make_policy_fn), uint8 "
         "[N, 4, 84, 84]; train step: learning.make_update_fn, V-trace loss, "
         f"{config.optimizer} after clipping to global norm {config.max_grad_norm}, "
