@@ -1,7 +1,8 @@
 """`python -m bench`: runs the benchmark cases, prints a table, writes JSON and plots.
 
 Cases: (a) raw env, (b) serving capacity, (c) end to end with a trivial
-policy, (d) end to end training, (e) network compute vs a PyTorch yardstick.
+policy, (d) end to end training, (e) network compute vs a PyTorch yardstick,
+(f) case (c) with the dashboards on and off.
 `--short` runs every case for seconds (the test suite does, so nothing rots).
 """
 
@@ -19,7 +20,7 @@ import tyro
 from bench import machine, report
 from bench.common import CaseResult, Settings
 
-CASES = "abcde"
+CASES = "abcdef"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +29,7 @@ class BenchConfig(Settings):
 
     cases: str = CASES
     """Which cases to run, e.g. "ac": a raw env, b serving, c end to end trivial, d training,
-    e network compute."""
+    e network compute, f dashboards on and off."""
 
 
 def run_cases(config: BenchConfig) -> dict[str, CaseResult]:
@@ -58,6 +59,8 @@ def run_cases(config: BenchConfig) -> dict[str, CaseResult]:
             return run_trivial(settings, results.get("a"))
         elif case == "d":
             from bench.end_to_end import run_training as run
+        elif case == "f":
+            from bench.end_to_end import run_dashboards as run
         else:
             from bench.network import run
         return run(settings)

@@ -41,18 +41,21 @@ class CaseResult:
     """One case's figures: a row per configuration, as printed and as written to JSON."""
 
     case: str
-    """"a".."e"."""
+    """"a".."f"."""
     title: str
     columns: list[Column]
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     """What bounds the figures, what was skipped and why."""
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Figures derived from several rows (ratios)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "case": self.case,
             "title": self.title,
             "rows": self.rows,
+            "summary": self.summary,
             "notes": self.notes,
         }
 

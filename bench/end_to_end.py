@@ -5,6 +5,9 @@
     what the system costs next to the raw env stack of case (a), same P and K.
 (d) the learner trains: Nature CNN, V-trace, the Atari preset; where the
     learner's time goes (its inference thread and its trainer thread).
+(f) case (c) with the dashboards on and off, alternating in one run: what
+    TensorBoard, the fleet page and /metrics cost the learner while a browser
+    watches the page and Prometheus scrapes.
 
 Actors are `python -m actors.main` subprocesses, exactly as users start them,
 with their K envs in G groups (each group its own stream, stepped while the
@@ -72,6 +75,39 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+class _Watcher:
+    """What watches a live run: the fleet page's poll and a Prometheus scrape."""
+
+    PAGE_POLL_S = 2.0  # the page's own refresh interval
+    SCRAPE_S = 5.0
+
+    def __init__(self, url: str):
+        self._url = url
+        self._stop = threading.Event()
+        self.requests = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        next_scrape = 0.0
+        while not self._stop.wait(self.PAGE_POLL_S if self.requests else 0.0):
+            paths = ["api/status"]
+            if time.monotonic() >= next_scrape:
+                paths.append("metrics")
+                next_scrape = time.monotonic() + self.SCRAPE_S
+            for path in paths:
+                with urllib.request.urlopen(self._url + path, timeout=10) as response:
+                    response.read()
+                self.requests += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.requests
+
+
 def measure(
     env: str,
     processes: int,
@@ -80,9 +116,15 @@ def measure(
     warmup_s: float,
     duration_s: float,
     train: bool,
+    dashboards: bool | None = None,
     **overrides,
 ) -> dict:
-    """Env frames/s of P actor processes x K envs served by one learner on this machine."""
+    """Env frames/s of P actor processes x K envs served by one learner on this machine.
+
+    `dashboards` True: TensorBoard, the HTTP server and a watcher polling it, with a
+    log line every second; False: the same logging, none of the three; None: no
+    logging (the benchmark's own snapshots only).
+    """
     from envs import registry
     from learner.agents.vtrace import learning
     from learner.background import BackgroundLearner
@@ -91,15 +133,25 @@ def measure(
     from learner.metrics import MetricsLogger
 
     spec = registry.spec(env)
+    if dashboards is not None:
+        overrides = {
+            "log_interval_s": 1.0,
+            "http_port": 0 if dashboards else -1,
+            "tensorboard": dashboards,
+            **overrides,
+        }
     with tempfile.TemporaryDirectory() as run_dir:
         config = dataclasses.replace(
             preset_for(env),
-            port=0,
-            bind_address="127.0.0.1",
-            run_dir=run_dir,
-            log_interval_s=1e9,  # the benchmark takes its own snapshots
-            total_env_steps=10**15,  # the benchmark decides when to stop
-            **overrides,
+            **{
+                "port": 0,
+                "http_port": 0,
+                "bind_address": "127.0.0.1",
+                "run_dir": run_dir,
+                "log_interval_s": 1e9,  # the benchmark takes its own snapshots
+                "total_env_steps": 10**15,  # the benchmark decides when to stop
+                **overrides,
+            },
         )
         policy_fn = None if train else learning.make_uniform_policy_fn(spec.action.num_actions)
         learner = Learner(config, policy_fn=policy_fn, console=False)
@@ -113,6 +165,7 @@ def measure(
             )
             drain.start()
         actors = _actors(served.address, env, processes, num_envs, groups, run_dir)
+        watcher = _Watcher(learner.telemetry.url) if dashboards else None
         metrics = MetricsLogger(
             os.path.join(run_dir, "bench.jsonl"),
             learner.stats,
@@ -132,6 +185,7 @@ def measure(
             wall, cpu = window.elapsed()
             record = metrics.record(learner.unrolls.qsize())
         finally:
+            requests = watcher.stop() if watcher is not None else 0
             _stop_actors(actors)
             served.stop()
             stop_drain.set()
@@ -153,6 +207,8 @@ def measure(
         "time_inference": record["time_inference"],
         "time_inference_blocked": record["time_inference_blocked"],
     }
+    if dashboards is not None:
+        row.update(dashboards="on" if dashboards else "off", http_requests=requests)
     if train:
         row.update(
             network=config.network,
@@ -255,5 +311,54 @@ def run_training(settings: Settings) -> CaseResult:
     result.notes.append(
         "Shares are of the measured window, per thread: the inference thread computing or "
         "blocked on a full unroll queue; the trainer waiting for unrolls or training."
+    )
+    return result
+
+
+def run_dashboards(settings: Settings) -> CaseResult:
+    """Case (f): case (c) with the dashboards on and off, in the order on, off, off, on."""
+    processes = settings.processes or cores()
+    env = "counting:v0" if settings.short else "atari:Pong"
+    result = CaseResult(
+        case="f",
+        title="dashboards on and off: case (c) with TensorBoard, fleet page and /metrics",
+        columns=[
+            Column("env", "env", "{}"),
+            Column("dashboards", "dashboards", "{}"),
+            Column("env_frames_per_s", "env frames/s"),
+            Column("learner_cpu_us_per_step", "learner us/step", "{:.2f}"),
+            Column("http_requests", "HTTP requests", "{}"),
+        ],
+    )
+    # ABBA: a drift of the machine's speed over the case weighs on both alike.
+    order = (True, False) if settings.short else (True, False, False, True)
+    for dashboards in order:
+        result.rows.append(
+            measure(
+                env,
+                processes,
+                settings.envs_per_process,
+                1,
+                settings.warmup_s,
+                settings.duration_s,
+                train=False,
+                dashboards=dashboards,
+            )
+        )
+
+    def mean(state: str, field: str) -> float:
+        values = [row[field] for row in result.rows if row["dashboards"] == state]
+        return sum(values) / len(values)
+
+    fps_ratio = mean("on", "env_frames_per_s") / max(mean("off", "env_frames_per_s"), 1e-9)
+    cpu_ratio = mean("on", "learner_cpu_us_per_step") / max(
+        mean("off", "learner_cpu_us_per_step"), 1e-9
+    )
+    result.summary = {"fps_on_over_off": fps_ratio, "learner_cpu_on_over_off": cpu_ratio}
+    result.notes.append(
+        f"On/off: env frames/s x{fps_ratio:.3f}, learner CPU per env step x{cpu_ratio:.3f} "
+        "(target: the learner no more than 2% slower). On: event files, the HTTP server, "
+        f"the page polled every {_Watcher.PAGE_POLL_S:g} s and /metrics scraped every "
+        f"{_Watcher.SCRAPE_S:g} s; both: a log line every second."
     )
     return result

@@ -165,6 +165,7 @@ def serving_learner(env: str, run_dir: str, **overrides):
     config = dataclasses.replace(
         preset_for(env),
         port=0,
+        http_port=0,
         bind_address="127.0.0.1",
         run_dir=run_dir,
         log_interval_s=1e9,  # the benchmark reads the stats itself

@@ -70,6 +70,7 @@ class AtariVectorEnv:
             raise ValueError(f"unknown Atari settings {sorted(unknown)}")
         self.num_envs = num_envs
         self._seed = seed
+        self._last: np.ndarray | None = None
         self._env = AleVectorEnv(
             rom_name(name),
             num_envs,
@@ -86,18 +87,35 @@ class AtariVectorEnv:
 
     def reset(self, seed: int | None = None) -> EnvStep:
         observations, _ = self._env.reset(seed=self._seed if seed is None else seed)
+        self._last = observations
         return first_step(observations)
 
     def step(self, actions: np.ndarray) -> EnvStep:
         observations, rewards, terminated, truncated, _ = self._env.step(
             np.asarray(actions, np.int32)
         )
+        self._last = observations
         return EnvStep(
             observations=observations,
             rewards=rewards.astype(np.float32, copy=False),
             terminated=terminated,
             truncated=truncated,
         )
+
+    # Agent steps per second of game time (60 frames/s, frame skip 4): a video's rate.
+    render_fps = 60 // ATARI_SETTINGS["frameskip"]
+
+    def render(self, scale: int = 4) -> np.ndarray:
+        """uint8 [H*scale, W*scale, 3]: env 0's newest frame as the agent sees it.
+
+        The C++ vector env keeps no RGB screen, so this is the preprocessed
+        frame (84x84 grey, max-pooled), enlarged; what the policy acted on.
+        """
+        if self._last is None:
+            raise RuntimeError("render() before reset()")
+        frame = self._last[0, -1]
+        frame = np.repeat(np.repeat(frame, scale, axis=0), scale, axis=1)
+        return np.repeat(frame[:, :, None], 3, axis=2)
 
     def close(self) -> None:
         self._env.close()
@@ -109,7 +127,10 @@ def make(
     seed: int | None = None,
     num_threads: int = 1,
     settings: dict[str, Any] | None = None,
+    render: bool = False,
 ) -> AtariVectorEnv:
+    """`render` is accepted for the registry's sake: render() always works here."""
+    del render
     return AtariVectorEnv(name, num_envs, seed=seed, num_threads=num_threads, settings=settings)
 
 

@@ -24,17 +24,22 @@ def _observation_dtype(space: gym.Space) -> np.dtype:
 class ClassicVectorEnv:
     """K gymnasium envs of one id, stepped together."""
 
-    def __init__(self, name: str, num_envs: int, seed: int | None = None):
+    def __init__(self, name: str, num_envs: int, seed: int | None = None, render: bool = False):
+        """`render`: `render()` returns env 0's picture (gymnasium's renderer, pygame)."""
         if name not in gym.registry:
             raise ValueError(f"gymnasium has no env {name!r}")
+        options = {"render_mode": "rgb_array"} if render else {}
         if gym.registry[name].vector_entry_point is not None:
-            env = gym.make_vec(name, num_envs=num_envs, vectorization_mode="vector_entry_point")
+            env = gym.make_vec(
+                name, num_envs=num_envs, vectorization_mode="vector_entry_point", **options
+            )
         else:
             env = gym.make_vec(
                 name,
                 num_envs=num_envs,
                 vectorization_mode="sync",
                 vector_kwargs={"autoreset_mode": AutoresetMode.NEXT_STEP},
+                **options,
             )
         if env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP) != AutoresetMode.NEXT_STEP:
             raise ValueError(f"{name}: its vector env does not auto-reset in next-step mode")
@@ -43,6 +48,8 @@ class ClassicVectorEnv:
         if not isinstance(env.single_observation_space, gym.spaces.Box):
             raise ValueError(f"{name}: only Box observation spaces are supported")
         self._env = env
+        self._render = render
+        self.render_fps = int(env.metadata.get("render_fps") or 30)
         self._seed = seed
         self._obs_dtype = _observation_dtype(env.single_observation_space)
         self.num_envs = num_envs
@@ -67,12 +74,21 @@ class ClassicVectorEnv:
             truncated=np.asarray(truncated, np.bool_),
         )
 
+    def render(self) -> np.ndarray:
+        """uint8 [H, W, 3]: env 0 as it is now (made with render=True)."""
+        if not self._render:
+            raise RuntimeError("this env was made without render=True")
+        frames = self._env.render()
+        return np.asarray(frames[0], np.uint8)
+
     def close(self) -> None:
         self._env.close()
 
 
-def make(name: str, num_envs: int, seed: int | None = None) -> ClassicVectorEnv:
-    return ClassicVectorEnv(name, num_envs, seed=seed)
+def make(
+    name: str, num_envs: int, seed: int | None = None, render: bool = False
+) -> ClassicVectorEnv:
+    return ClassicVectorEnv(name, num_envs, seed=seed, render=render)
 
 
 def spec(name: str) -> EnvSpec:

@@ -101,6 +101,19 @@ class LearnerConfig:
     max_envs_per_actor: int = 256
     """Largest K an actor may bring (and at most inference_batch_size)."""
 
+    # -- telemetry and checkpoints --------------------------------------------
+    http_port: int = 8471
+    """HTTP port of the live fleet page (/) and Prometheus metrics (/metrics); 0: any free
+    port; -1: no HTTP server."""
+    http_bind_address: str = "127.0.0.1"
+    """Address the HTTP server listens on; 127.0.0.1 keeps it to this machine."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under RUN_DIR/tensorboard."""
+    checkpoint_interval_s: float = 600.0
+    """Seconds between checkpoints of the training state (and one at every clean stop)."""
+    checkpoints_to_keep: int = 3
+    """Newest checkpoints kept under RUN_DIR/checkpoints; older ones are deleted."""
+
     def __post_init__(self) -> None:
         def require(condition: bool, message: str) -> None:
             if not condition:
@@ -132,6 +145,16 @@ class LearnerConfig:
             require(value is None or value > 0, f"{name} must be positive or None")
         require(self.log_interval_s > 0, "log_interval_s must be positive")
         require(self.max_envs_per_actor >= 1, "max_envs_per_actor must be at least 1")
+        require(
+            -1 <= self.http_port < 65536,
+            f"http_port {self.http_port} is outside -1..65535 (-1: no HTTP server)",
+        )
+        require(
+            self.http_port <= 0 or self.http_port != self.port,
+            f"http_port and port are both {self.port}",
+        )
+        require(self.checkpoint_interval_s > 0, "checkpoint_interval_s must be positive")
+        require(self.checkpoints_to_keep >= 1, "checkpoints_to_keep must be at least 1")
 
     @property
     def inference_timeout_s(self) -> float:

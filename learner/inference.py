@@ -172,7 +172,9 @@ class InferenceLoop:
         unrolls, episodes = self._store.append(
             slots, owners, step_of_batch, actions, log_probs, version
         )
-        self._stats.add_episodes(episodes.returns, episodes.lengths, episodes.env_steps)
+        self._stats.add_episodes(
+            episodes.returns, episodes.lengths, episodes.env_steps, episodes.clipped_returns
+        )
         served = time.perf_counter()
         latency = sum(computed - request.arrival for request in batch)
         self._stats.add("inference_batch_envs", num_envs)

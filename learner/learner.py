@@ -28,12 +28,14 @@ import optax
 from envs import registry
 from learner.agents.vtrace import learning
 from learner.batcher import DynamicBatcher
+from learner.checkpoint import Checkpointer
 from learner.config import LearnerConfig
 from learner.inference import InferenceLoop, ParameterSource
 from learner.metrics import MetricsLogger
 from learner.networks import make_network
 from learner.server import LearnerService
 from learner.stats import RETURN_WINDOW, LearnerStats
+from learner.telemetry import Telemetry
 from learner.trainer import Trainer
 from learner.unroll_store import UnrollStore
 from seedrl.specs import EnvSpec
@@ -122,7 +124,9 @@ class Learner:
         state = learning.TrainState(params, optimizer.init(params), jax.numpy.int32(0))
         self.parameters = ParameterSource(params, version=0)
         self.unrolls: queue.Queue = queue.Queue(maxsize=config.unroll_queue_size)
-        self.store = UnrollStore(config.unroll_length, spec.observation)
+        self.store = UnrollStore(
+            config.unroll_length, spec.observation, reward_clipping=config.reward_clipping
+        )
         self.batcher = DynamicBatcher(config.inference_batch_size, config.inference_timeout_s)
         self.service = LearnerService(
             env_spec=spec,
@@ -155,6 +159,26 @@ class Learner:
             learning_rate=self._schedule,
             on_failure=self._fail,
             recycle=self.store.recycle,
+            checkpointer=Checkpointer(
+                self.run_dir, config.checkpoint_interval_s, config.checkpoints_to_keep
+            ),
+        )
+        self.telemetry = Telemetry(
+            run_dir=self.run_dir,
+            stats=self.stats,
+            streams=self.service.streams,
+            queue_depth=self.unrolls.qsize,
+            run_info={
+                "env": spec.env_id,
+                "network": config.network,
+                "learner_id": self.service.learner_id,
+                "run_dir": os.path.abspath(self.run_dir),
+                "total_env_steps": config.total_env_steps,
+                "frames_per_step": spec.frames_per_step,
+            },
+            tensorboard=config.tensorboard,
+            http_address=config.http_bind_address,
+            http_port=config.http_port,
         )
 
     # -- lifecycle ----------------------------------------------------------
@@ -188,6 +212,17 @@ class Learner:
             logger.error("cannot listen on %s: is another learner using that port?", address)
             return 2
         os.makedirs(self.run_dir, exist_ok=True)
+        try:
+            self.telemetry.start()
+        except OSError as error:
+            logger.error(
+                "cannot serve HTTP on %s:%d (%s): is another learner using that port? "
+                "--http-port 0 picks a free one, -1 serves none",
+                config.http_bind_address,
+                config.http_port,
+                error,
+            )
+            return 2
         with open(os.path.join(self.run_dir, "config.json"), "w") as file:
             json.dump(dataclasses.asdict(config), file, indent=2)
         metrics = MetricsLogger(
@@ -212,6 +247,12 @@ class Learner:
             self.port,
             self.run_dir,
         )
+        if self.telemetry.url:
+            logger.info(
+                "fleet page %s, Prometheus metrics %smetrics",
+                self.telemetry.url,
+                self.telemetry.url,
+            )
         if ready is not None:
             ready.set()
         finished = False
@@ -234,6 +275,7 @@ class Learner:
             await self._shutdown(server, finished)
             self._log(metrics)
             metrics.close()
+            self.telemetry.close()
         if self._failure is not None:
             logger.error("the learner stopped because of: %r", self._failure)
             return 1
@@ -243,6 +285,7 @@ class Learner:
         """One line of metrics.jsonl and of the console, for the interval just ended."""
         record = metrics.record(self.unrolls.qsize())
         metrics.write(record)
+        self.telemetry.publish(record)
         if self._console:
             print(metrics.console_line(record), flush=True)
 
@@ -266,6 +309,9 @@ class Learner:
         self.service.stop_serving(finished)
         await asyncio.to_thread(self.trainer.stop)
         await asyncio.to_thread(self.inference.stop)
+        # The last state, written completely before the process may exit.
+        await asyncio.to_thread(self.trainer.save_checkpoint)
+        await asyncio.to_thread(self.trainer.close_checkpoints)
         await server.stop(grace=2.0 if finished else 0.5)
 
     def stop(self) -> None:

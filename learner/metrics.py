@@ -45,6 +45,7 @@ class MetricsLogger:
             return None if value is None else value * scale
 
         returns, lengths = snapshot["returns"], snapshot["lengths"]
+        clipped = snapshot["clipped_returns"]
         record: dict[str, Any] = {
             "time": round(now, 3),
             "elapsed_s": round(now - self._stats.start_time, 3),
@@ -54,12 +55,14 @@ class MetricsLogger:
             "env_steps_per_s": _round((env_steps - self._last_env_steps) / interval, 1),
             "episodes": snapshot["episodes"],
             "episode_return_mean": _round(sum(returns) / len(returns)) if returns else None,
+            "episode_return_clipped_mean": _round(sum(clipped) / len(clipped)) if clipped else None,
             "episode_length_mean": _round(sum(lengths) / len(lengths), 1) if lengths else None,
             "updates": snapshot["updates"],
             "updates_per_s": _round((snapshot["updates"] - self._last_updates) / interval, 3),
             "loss": _round(mean("loss")),
             "policy_loss": _round(mean("policy_loss")),
             "baseline_loss": _round(mean("baseline_loss")),
+            "entropy_loss": _round(mean("entropy_loss"), 6),
             "entropy": _round(mean("entropy")),
             "grad_norm": _round(mean("grad_norm")),
             "learning_rate": _round(mean("learning_rate"), 8),

@@ -13,7 +13,9 @@ import collections
 import dataclasses
 import itertools
 import logging
+import time
 import uuid
+from time import monotonic
 
 import grpc
 import grpc.aio
@@ -121,6 +123,9 @@ class ActorStream:
     """int64 [K] filled with `owner`, for the unroll store's owner check."""
     steps: int = 0
     superseded_by: str = ""
+    connected_at: float = dataclasses.field(default_factory=time.monotonic)
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
+    """time.monotonic() of its latest message."""
 
 
 class LearnerService:
@@ -267,6 +272,7 @@ class LearnerService:
             raw = await context.read()
             if raw is grpc.aio.EOF:
                 return
+            actor.last_seen = monotonic()
             if self.stopping:
                 self._end_of_service()
                 return

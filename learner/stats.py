@@ -43,17 +43,26 @@ class LearnerStats:
         self.connected_envs = 0
         self.rejected_streams = 0
         self._returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
+        self._clipped_returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
         self._lengths: collections.deque[int] = collections.deque(maxlen=RETURN_WINDOW)
         self._window: dict[str, _Mean] = collections.defaultdict(_Mean)
         self._timers: dict[str, float] = collections.defaultdict(float)
 
     # -- writers ------------------------------------------------------------
 
-    def add_episodes(self, returns: list[float], lengths: list[int], env_steps: int) -> None:
+    def add_episodes(
+        self,
+        returns: list[float],
+        lengths: list[int],
+        env_steps: int,
+        clipped_returns: list[float] | None = None,
+    ) -> None:
+        """Episodes that ended; `clipped_returns` default to the raw ones."""
         with self._lock:
             self.env_steps += env_steps
             self.episodes += len(returns)
             self._returns.extend(returns)
+            self._clipped_returns.extend(returns if clipped_returns is None else clipped_returns)
             self._lengths.extend(lengths)
 
     def add(self, name: str, value: float, count: int = 1) -> None:
@@ -86,6 +95,18 @@ class LearnerStats:
 
     # -- readers ------------------------------------------------------------
 
+    def counters(self) -> dict[str, int]:
+        """The cumulative counters, read together."""
+        with self._lock:
+            return {
+                "env_steps": self.env_steps,
+                "episodes": self.episodes,
+                "updates": self.updates,
+                "connected_actors": self.connected_actors,
+                "connected_envs": self.connected_envs,
+                "rejected_streams": self.rejected_streams,
+            }
+
     def progress(self) -> tuple[int, list[float]]:
         """Env steps so far and the returns of the last RETURN_WINDOW episodes."""
         with self._lock:
@@ -99,6 +120,7 @@ class LearnerStats:
             self._window = collections.defaultdict(_Mean)
             self._timers = collections.defaultdict(float)
             returns = list(self._returns)
+            clipped_returns = list(self._clipped_returns)
             lengths = list(self._lengths)
             return {
                 "env_steps": self.env_steps,
@@ -108,6 +130,7 @@ class LearnerStats:
                 "connected_envs": self.connected_envs,
                 "rejected_streams": self.rejected_streams,
                 "returns": returns,
+                "clipped_returns": clipped_returns,
                 "lengths": lengths,
                 "window": window,
                 "timers": timers,

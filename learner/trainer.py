@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from learner.agents.vtrace.learning import TrainState, Trajectories
+from learner.checkpoint import Checkpointer
 from learner.inference import ParameterSource
 from learner.stats import LearnerStats
 from learner.unroll_store import Unroll
@@ -48,9 +49,12 @@ class Trainer:
         learning_rate: Callable[[int], float],
         on_failure: Callable[[BaseException], None],
         recycle: Callable[[list[Unroll]], None] | None = None,
+        checkpointer: Checkpointer | None = None,
     ):
-        """`recycle` takes back the unrolls of each batch once it is stacked."""
+        """`recycle` takes back the unrolls of each batch once it is stacked;
+        `checkpointer` saves the state between updates when one is due."""
         self.state = state
+        self._checkpointer = checkpointer
         self._recycle = recycle
         self._update_fn = update_fn
         self._unrolls = unrolls
@@ -97,9 +101,29 @@ class Trainer:
                 self._stats.add_time("trainer_waiting", started - waited)
                 self._train(batch)
                 self._stats.add_time("training", time.perf_counter() - started)
+                if self._checkpointer is not None and self._checkpointer.due():
+                    self.save_checkpoint()
         except BaseException as error:
             logger.exception("the trainer failed")
             self._on_failure(error)
+
+    def save_checkpoint(self) -> None:
+        """Saves the current state (between updates: from the trainer's thread, or once
+        it has stopped); nothing before the first update or twice for one update."""
+        if self._checkpointer is None or int(self.state.updates) == 0:
+            return
+        counters = self._stats.counters()
+        self._checkpointer.save(
+            int(self.state.updates),
+            self.state.params,
+            self.state.opt_state,
+            {"env_steps": counters["env_steps"], "episodes": counters["episodes"]},
+        )
+
+    def close_checkpoints(self) -> None:
+        """Waits for checkpoints being written (call once the trainer has stopped)."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
 
     def _train(self, batch: list[Unroll]) -> None:
         trajectories, versions = stack_unrolls(batch)

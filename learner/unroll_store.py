@@ -14,8 +14,8 @@ appends for a slot whose owner has changed since the batch was formed are
 dropped, so a batch still in flight when its stream ended cannot write into
 the slot's next owner.
 
-Episode returns are kept here too, from the raw rewards, since the store sees
-every step of every env in order.
+Episode returns are kept here too, raw and clipped as the learner clips them
+for training, since the store sees every step of every env in order.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class Unroll(NamedTuple):
 class EpisodeStats(NamedTuple):
     returns: list[float]
     """Raw (unclipped) returns of the episodes that ended."""
+    clipped_returns: list[float]
+    """Their returns with the rewards clipped as in training."""
     lengths: list[int]
     """Their lengths in agent steps."""
     env_steps: int
@@ -65,10 +67,20 @@ class EpisodeStats(NamedTuple):
 class UnrollStore:
     """Per-slot ring of the current unroll; thread-safe."""
 
-    def __init__(self, unroll_length: int, observation_spec: TensorSpec, initial_slots: int = 64):
+    def __init__(
+        self,
+        unroll_length: int,
+        observation_spec: TensorSpec,
+        initial_slots: int = 64,
+        reward_clipping: str = "none",
+    ):
+        """`reward_clipping` ("abs_one" or "none") is the training's, for clipped returns."""
         if unroll_length < 1:
             raise ValueError(f"unroll_length must be at least 1, got {unroll_length}")
+        if reward_clipping not in ("abs_one", "none"):
+            raise ValueError(f"unknown reward_clipping {reward_clipping!r}")
         self.unroll_length = unroll_length
+        self._clip_rewards = reward_clipping == "abs_one"
         self._observation_spec = observation_spec
         self._lock = threading.Lock()
         self._capacity = 0
@@ -100,6 +112,7 @@ class UnrollStore:
             # Episode bookkeeping: whether the next observation starts an episode.
             "_episode_start": ((), np.bool_, True),
             "_episode_return": ((), np.float64, 0.0),
+            "_episode_clipped_return": ((), np.float64, 0.0),
             "_episode_length": ((), np.int64, 0),
         }
         for name, (shape, dtype, fill) in layout.items():
@@ -121,6 +134,7 @@ class UnrollStore:
             self._length[slots] = 0
             self._episode_start[slots] = True
             self._episode_return[slots] = 0.0
+            self._episode_clipped_return[slots] = 0.0
             self._episode_length[slots] = 0
             return slots
 
@@ -188,15 +202,21 @@ class UnrollStore:
 
     def _count_episodes(self, slots: np.ndarray, step: EnvStep) -> EpisodeStats:
         transition = ~self._episode_start[slots]
-        self._episode_return[slots] += np.where(transition, step.rewards, 0.0)
+        rewards = np.where(transition, step.rewards, 0.0)
+        self._episode_return[slots] += rewards
+        self._episode_clipped_return[slots] += (
+            np.clip(rewards, -1.0, 1.0) if self._clip_rewards else rewards
+        )
         self._episode_length[slots] += transition
         ended = slots[step.terminated | step.truncated]
         stats = EpisodeStats(
             returns=self._episode_return[ended].tolist(),
+            clipped_returns=self._episode_clipped_return[ended].tolist(),
             lengths=self._episode_length[ended].tolist(),
             env_steps=int(transition.sum()),
         )
         self._episode_return[ended] = 0.0
+        self._episode_clipped_return[ended] = 0.0
         self._episode_length[ended] = 0
         self._episode_start[slots] = step.terminated | step.truncated
         return stats

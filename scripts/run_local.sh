@@ -6,11 +6,14 @@
 #   NUM_ACTORS      actor processes (default 4)
 #   ENVS_PER_ACTOR  envs each actor steps in lock step (default 8)
 #   LEARNER_FLAGS   passed to seedrl-learner, e.g. -- --total-env-steps 1000000
-# Environment: SEEDRL_PORT (default 8470), SEEDRL_RUN_DIR (default runs/ENV-TIME).
+# Environment: SEEDRL_PORT (default 8470), SEEDRL_HTTP_PORT (default SEEDRL_PORT+1:
+#   the fleet page and /metrics, on 127.0.0.1), SEEDRL_RUN_DIR (default runs/ENV-TIME).
 #
 # Installs what it needs into .venv on first use. The learner prints progress
-# (frames per second, returns) every few seconds; actor logs go to
-# RUN_DIR/actors/. Ctrl-C or SIGTERM stops every process this script started.
+# (frames per second, returns) every few seconds and serves a live fleet page
+# at http://127.0.0.1:HTTP_PORT/; TensorBoard files, metrics.jsonl and
+# checkpoints go to RUN_DIR, actor logs to RUN_DIR/actors/. Ctrl-C or SIGTERM
+# stops every process this script started.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -35,16 +38,20 @@ env=${positional[0]:-atari:Pong}
 num_actors=${positional[1]:-4}
 envs_per_actor=${positional[2]:-8}
 port=${SEEDRL_PORT:-8470}
+http_port=${SEEDRL_HTTP_PORT:-$((${port//[^0-9]/0} + 1))}
 [[ "$env" == *:* ]] || fail "ENV_ID '$env' is not FAMILY:NAME (for instance atari:Pong)"
 [[ "$num_actors" =~ ^[1-9][0-9]*$ ]] || fail "NUM_ACTORS must be a positive integer, got '$num_actors'"
 [[ "$envs_per_actor" =~ ^[1-9][0-9]*$ ]] || fail "ENVS_PER_ACTOR must be a positive integer, got '$envs_per_actor'"
 [[ "$port" =~ ^[0-9]+$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] || fail "SEEDRL_PORT '$port' is not a port"
+[[ "$http_port" =~ ^-?[0-9]+$ ]] && [ "$http_port" -ge -1 ] && [ "$http_port" -le 65535 ] \
+  || fail "SEEDRL_HTTP_PORT '$http_port' is not a port (0: any free one, -1: none)"
 
 cd "$root"
 "$root/scripts/setup.sh" || { echo "run_local: setup failed" >&2; exit 1; }
 run_dir=${SEEDRL_RUN_DIR:-runs/${env//[:\/]/-}-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$run_dir/actors"
 echo "run_local: $env, $num_actors actors x $envs_per_actor envs, learner on port $port, run dir $run_dir"
+[ "$http_port" -le 0 ] || echo "run_local: fleet page http://127.0.0.1:$http_port/ (Prometheus: /metrics)"
 
 learner_pid="" fleet_pid=""
 cleanup() {
@@ -57,7 +64,8 @@ on_signal() { echo "run_local: stopping" >&2; cleanup; exit 130; }
 trap on_signal INT TERM
 trap cleanup EXIT
 
-.venv/bin/seedrl-learner --env "$env" --port "$port" --run-dir "$run_dir" "${learner_flags[@]}" &
+.venv/bin/seedrl-learner --env "$env" --port "$port" --http-port "$http_port" --run-dir "$run_dir" \
+  ${learner_flags[@]+"${learner_flags[@]}"} &
 learner_pid=$!
 scripts/launch_actors.sh --learner "127.0.0.1:$port" --num-actors "$num_actors" \
   --env "$env" --num-envs "$envs_per_actor" --actor-prefix local --log-dir "$run_dir/actors" &

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Makes .venv match uv.lock, installing uv first if this machine has none.
-# Usage: scripts/setup.sh [--dev|--bench]   (--dev adds the test and codegen tools,
-#        --bench the benchmark's plotting)
+# Usage: scripts/setup.sh [--dev] [--bench] [--dashboard] [--eval] [--plot]
+#   --dev: the test and codegen tools; --bench: the benchmark's plotting;
+#   --dashboard: TensorBoard; --eval: seedrl-eval's video; --plot: learning curves
 # Sourced by run_local.sh and test.sh; safe to run again (a no-op when in sync).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 UV_VERSION=0.13.9
 
 extras=()
-case "${1:-}" in
-  "") ;;
-  --dev) extras=(--extra dev) ;;
-  --bench) extras=(--extra bench) ;;
-  *) echo "usage: $0 [--dev|--bench]" >&2; exit 2 ;;
-esac
+for flag in "$@"; do
+  case "$flag" in
+    --dev|--bench|--dashboard|--eval|--plot) extras+=(--extra "${flag#--}") ;;
+    *) echo "usage: $0 [--dev] [--bench] [--dashboard] [--eval] [--plot]" >&2; exit 2 ;;
+  esac
+done
 
 find_uv() {
   if command -v uv >/dev/null 2>&1; then echo uv; return; fi
@@ -30,4 +31,4 @@ cd "$root"
 # The lock file decides every version; python-downloads=never (pyproject) keeps
 # uv to this machine's Python 3.11; --inexact keeps the dev tools when training
 # after testing.
-"$uv" sync --frozen --inexact "${extras[@]}" --quiet
+"$uv" sync --frozen --inexact ${extras[@]+"${extras[@]}"} --quiet

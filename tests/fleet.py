@@ -44,7 +44,13 @@ class LearnerThread(BackgroundLearner):
 
 def learner_config(env: str, run_dir: pathlib.Path, **overrides) -> LearnerConfig:
     """The env's preset on a free loopback port, with `overrides`."""
-    settings = {"port": 0, "bind_address": "127.0.0.1", "run_dir": str(run_dir), **overrides}
+    settings = {
+        "port": 0,
+        "http_port": 0,
+        "bind_address": "127.0.0.1",
+        "run_dir": str(run_dir),
+        **overrides,
+    }
     return dataclasses.replace(preset_for(env), **settings)
 
 

@@ -35,7 +35,7 @@ def short_run(tmp_path_factory):
 
 def test_every_case_reports_with_machine_and_commit(short_run):
     _, stdout, results = short_run
-    assert sorted(results) == list("abcde")
+    assert sorted(results) == list("abcdef")
     for case, result in results.items():
         assert result["rows"], f"case {case} measured nothing"
         assert result["machine"]["usable_cores"] >= 1
@@ -81,6 +81,19 @@ def test_network_case_times_forward_and_train_step(short_run):
     jax_rows = [row for row in rows if row["framework"] == "jax"]
     assert {row["what"] for row in jax_rows} == {"forward", "train_step"}
     assert all(row["samples_per_s"] > 0 for row in jax_rows)
+
+
+def test_dashboards_case_measures_both_states(short_run):
+    _, _, results = short_run
+    rows = results["f"]["rows"]
+    assert [row["dashboards"] for row in rows] == ["on", "off"]
+    on, off = rows
+    assert on["http_requests"] >= 1 and off["http_requests"] == 0  # the page was watched
+    assert on["env_frames_per_s"] > 0 and off["env_frames_per_s"] > 0
+    summary = results["f"]["summary"]
+    assert summary["fps_on_over_off"] == pytest.approx(
+        on["env_frames_per_s"] / off["env_frames_per_s"]
+    )
 
 
 def test_plots_are_png_files(short_run):

@@ -20,6 +20,8 @@ def run_learner(tmp_path, *flags: str) -> tuple[subprocess.Popen, int]:
             str(ROOT / ".venv" / "bin" / "seedrl-learner"),
             "--port",
             "0",
+            "--http-port",
+            "0",
             "--bind-address",
             "127.0.0.1",
             "--run-dir",
@@ -37,6 +39,21 @@ def run_learner(tmp_path, *flags: str) -> tuple[subprocess.Popen, int]:
 def read_metrics(tmp_path) -> list[dict]:
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def run_eval(run_dir, *flags: str, timeout_s: float = 600) -> dict:
+    """seedrl-eval's result: the JSON object on the last line of its stdout."""
+    result = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "seedrl-eval"), "--run-dir", str(run_dir), *flags],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout_s,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert "mean" in lines[1] and "std" in lines[1], result.stdout  # the table's header
+    return json.loads(lines[-1])
 
 
 def test_cartpole_is_solved_within_500k_env_steps(tmp_path):
@@ -76,6 +93,41 @@ def test_cartpole_is_solved_within_500k_env_steps(tmp_path):
         f"({solved[0]['elapsed_s']:.0f} s, mean return {solved[0]['episode_return_mean']})"
     )
 
+    # TensorBoard's own reader lists the run's figures.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.test_telemetry import REQUIRED_TAGS
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) >= REQUIRED_TAGS
+    assert max(e.value for e in events.Scalars("episode/return")) >= 475
+
+    # The saved agent, played greedily by seedrl-eval, holds the pole.
+    result = run_eval(tmp_path / "run", "--episodes", "20")
+    print(f"seedrl-eval: mean {result['mean']} std {result['std']} over 20 episodes")
+    assert result["episodes"] == 20 and len(result["returns"]) == 20
+    assert result["mean"] >= 450, result
+
+
+def test_an_untrained_agent_evaluates_far_lower(tmp_path):
+    """A run of a few hundred env steps: its checkpoint plays CartPole badly."""
+    learner, port = run_learner(
+        tmp_path, "--env", "classic:CartPole-v1", "--total-env-steps", "1000"
+    )
+    actor = spawn_actor(f"127.0.0.1:{port}", "classic:CartPole-v1", 4, "brief", tmp_path)
+    try:
+        assert learner.wait(timeout=300) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert actor.wait(timeout_s=60) == 0
+    finally:
+        learner.kill()
+        actor.kill()
+    result = run_eval(tmp_path / "run", "--episodes", "20", "--sample")
+    assert result["policy"] == "sample" and result["episodes"] == 20
+    assert result["checkpoint_env_steps"] <= 2000
+    print(f"\nuntrained CartPole: mean {result['mean']} over 20 episodes")
+    assert result["mean"] < 100, result
+
 
 def test_pong_trains_through_the_real_path(tmp_path):
     """A short Pong run with the Nature CNN: frames flow, updates happen, exit is clean."""
@@ -110,3 +162,12 @@ def test_pong_trains_through_the_real_path(tmp_path):
     assert final["updates"] >= 10
     assert max(r["fps"] or 0 for r in records) > 0
     assert any(r["inference_batch_mean"] for r in records)
+
+    # seedrl-eval plays the saved agent and films its first game.
+    import imageio_ffmpeg
+
+    video = tmp_path / "pong.mp4"
+    result = run_eval(tmp_path / "run", "--episodes", "1", "--video", str(video))
+    assert result["episodes"] == 1 and -21 <= result["mean"] <= 21
+    frames, _ = imageio_ffmpeg.count_frames_and_secs(str(video))
+    assert frames == result["lengths"][0] + 1  # the first observation and one per step

@@ -53,7 +53,12 @@ def run_local(tmp_path, port: int, *args: str) -> subprocess.Popen:
         [RUN_LOCAL, *args],
         stdout=open(tmp_path / "run_local.log", "w"),
         stderr=subprocess.STDOUT,
-        env={**os.environ, "SEEDRL_PORT": str(port), "SEEDRL_RUN_DIR": str(tmp_path / "run")},
+        env={
+            **os.environ,
+            "SEEDRL_PORT": str(port),
+            "SEEDRL_HTTP_PORT": "0",
+            "SEEDRL_RUN_DIR": str(tmp_path / "run"),
+        },
         start_new_session=True,
     )
 

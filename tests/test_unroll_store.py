@@ -124,3 +124,30 @@ def test_recycled_observation_arrays_are_reused_and_overwritten_correctly():
     (second,) = step(4.0)
     assert second.observations is first.observations  # the array came back
     np.testing.assert_array_equal(second.observations[:, 0], [2.0, 3.0, 4.0])
+
+
+def test_clipped_returns_clip_each_reward_as_training_does():
+    for clipping, expected_clipped in (("abs_one", 1.0 - 1.0 + 0.5), ("none", 5.0 - 3.0 + 0.5)):
+        store = UnrollStore(
+            unroll_length=10, observation_spec=SPEC, initial_slots=1, reward_clipping=clipping
+        )
+        (slot,) = store.allocate(owner=1, count=1)
+        slots = np.array([slot])
+        feed(store, slots, 1, [9])  # the first observation: its reward is not counted
+        feed(store, slots, 1, [5])
+        feed(store, slots, 1, [-3])
+        _, episodes = store.append(
+            slots,
+            np.array([1]),
+            EnvStep(
+                observations=np.zeros((1, 1), np.int32),
+                rewards=np.array([0.5], np.float32),
+                terminated=np.array([True]),
+                truncated=np.array([False]),
+            ),
+            actions=np.zeros(1, np.int32),
+            log_probs=np.zeros(1, np.float32),
+            policy_version=0,
+        )
+        assert episodes.returns == [2.5]
+        assert episodes.clipped_returns == [expected_clipped]

@@ -137,13 +137,13 @@ def loss_fn(
     baseline_loss = 0.5 * jnp.sum(jnp.square(targets.vs - inputs.values) * inputs.mask) / count
     entropy = -jnp.sum(jnp.exp(log_policy) * log_policy, axis=-1)
     entropy_mean = jnp.sum(entropy * inputs.mask) / count
-    total = (
-        policy_loss + settings.baseline_cost * baseline_loss - settings.entropy_cost * entropy_mean
-    )
+    entropy_loss = -settings.entropy_cost * entropy_mean
+    total = policy_loss + settings.baseline_cost * baseline_loss + entropy_loss
     metrics = {
         "loss": total,
         "policy_loss": policy_loss,
         "baseline_loss": baseline_loss,
+        "entropy_loss": entropy_loss,
         "entropy": entropy_mean,
         "value_mean": jnp.mean(values),
         "rho_mean": jnp.sum(jnp.exp(inputs.log_rhos) * inputs.mask)

@@ -1,0 +1,58 @@
+"""Checkpointer: complete checkpoints only, the newest N kept, loaded by update count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from learner import checkpoint
+
+
+def tree(value: float) -> dict:
+    return {
+        "dense": {"kernel": np.full((3, 2), value, np.float32), "bias": np.zeros(2, np.float32)}
+    }
+
+
+def test_keeps_the_newest_and_loads_any_kept_one(tmp_path):
+    saver = checkpoint.Checkpointer(str(tmp_path), interval_s=3600, keep=2)
+    assert not saver.due()
+    for updates in (10, 20, 30):
+        assert saver.save(updates, tree(updates), {"mu": tree(-updates)}, {"env_steps": updates})
+    assert not saver.save(30, tree(0), {}, {})  # the same update twice: nothing new
+    saver.close()
+    assert checkpoint.available(str(tmp_path)) == [20, 30]
+    params, meta = checkpoint.load_params(str(tmp_path), tree(0))
+    assert meta["updates"] == 30 and meta["env_steps"] == 30
+    np.testing.assert_array_equal(params["dense"]["kernel"], tree(30)["dense"]["kernel"])
+    params, _ = checkpoint.load_params(str(tmp_path), tree(0), updates=20)
+    assert params["dense"]["kernel"][0, 0] == 20
+    with pytest.raises(checkpoint.NoCheckpointError, match="there are: 20, 30"):
+        checkpoint.load_params(str(tmp_path), tree(0), updates=10)
+
+
+def test_a_checkpoint_is_due_after_its_interval(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("learner.checkpoint.time.monotonic", lambda: clock[0])
+    saver = checkpoint.Checkpointer(str(tmp_path), interval_s=60, keep=1)
+    assert not saver.due()
+    clock[0] += 61
+    assert saver.due()
+    saver.save(1, tree(1), {}, {})
+    assert not saver.due()
+    saver.close()
+
+
+def test_an_empty_run_has_none(tmp_path):
+    assert checkpoint.available(str(tmp_path)) == []
+    with pytest.raises(checkpoint.NoCheckpointError, match="no complete checkpoint"):
+        checkpoint.load_params(str(tmp_path), tree(0))
+
+
+def test_an_unfinished_checkpoint_is_not_listed(tmp_path):
+    saver = checkpoint.Checkpointer(str(tmp_path), interval_s=3600, keep=3)
+    saver.save(5, tree(5), {}, {})
+    saver.close()
+    # What a crash mid-save leaves: orbax's temporary directory, never renamed.
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-123").mkdir()
+    assert checkpoint.available(str(tmp_path)) == [5]
