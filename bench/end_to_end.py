@@ -16,6 +16,7 @@ other waits for its actions).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -24,6 +25,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from bench.common import CaseResult, Column, Settings, Window, cores, drain_unrolls
 
@@ -76,70 +79,56 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 class _Watcher:
-    """What watches a live run: the fleet page's poll and a Prometheus scrape."""
+    """What watches a live run, in its own process as a browser and Prometheus are:
+    the fleet page's poll every PAGE_POLL_S and a scrape of /metrics every SCRAPE_S."""
 
     PAGE_POLL_S = 2.0  # the page's own refresh interval
     SCRAPE_S = 5.0
+    _SCRIPT = """
+import sys, time, urllib.request
+url, poll_s, scrape_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+next_scrape = 0.0
+while True:
+    paths = ["api/status"]
+    if time.monotonic() >= next_scrape:
+        paths.append("metrics")
+        next_scrape = time.monotonic() + scrape_s
+    for path in paths:
+        with urllib.request.urlopen(url + path, timeout=10) as response:
+            response.read()
+        print(path, flush=True)
+    time.sleep(poll_s)
+"""
 
     def __init__(self, url: str):
-        self._url = url
-        self._stop = threading.Event()
-        self.requests = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import urllib.request
-
-        next_scrape = 0.0
-        while not self._stop.wait(self.PAGE_POLL_S if self.requests else 0.0):
-            paths = ["api/status"]
-            if time.monotonic() >= next_scrape:
-                paths.append("metrics")
-                next_scrape = time.monotonic() + self.SCRAPE_S
-            for path in paths:
-                with urllib.request.urlopen(self._url + path, timeout=10) as response:
-                    response.read()
-                self.requests += 1
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", self._SCRIPT, url, str(self.PAGE_POLL_S), str(self.SCRAPE_S)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.requests
+        """Stops watching; the number of requests answered."""
+        self._process.kill()
+        output, _ = self._process.communicate(timeout=30)
+        return len(output.split())
 
 
-def measure(
-    env: str,
-    processes: int,
-    num_envs: int,
-    groups: int,
-    warmup_s: float,
-    duration_s: float,
-    train: bool,
-    dashboards: bool | None = None,
-    **overrides,
-) -> dict:
-    """Env frames/s of P actor processes x K envs served by one learner on this machine.
+@contextlib.contextmanager
+def serving_fleet(
+    env: str, processes: int, num_envs: int, groups: int, train: bool, **overrides
+) -> Iterator[tuple[Any, Any]]:
+    """A learner serving P actor processes x K envs, every actor connected: (learner, config).
 
-    `dashboards` True: TensorBoard, the HTTP server and a watcher polling it, with a
-    log line every second; False: the same logging, none of the three; None: no
-    logging (the benchmark's own snapshots only).
+    Without training, a thread takes the unrolls where the trainer would.
     """
     from envs import registry
     from learner.agents.vtrace import learning
     from learner.background import BackgroundLearner
     from learner.config import preset_for
     from learner.learner import Learner
-    from learner.metrics import MetricsLogger
 
     spec = registry.spec(env)
-    if dashboards is not None:
-        overrides = {
-            "log_interval_s": 1.0,
-            "http_port": 0 if dashboards else -1,
-            "tensorboard": dashboards,
-            **overrides,
-        }
     with tempfile.TemporaryDirectory() as run_dir:
         config = dataclasses.replace(
             preset_for(env),
@@ -165,33 +154,48 @@ def measure(
             )
             drain.start()
         actors = _actors(served.address, env, processes, num_envs, groups, run_dir)
-        watcher = _Watcher(learner.telemetry.url) if dashboards else None
-        metrics = MetricsLogger(
-            os.path.join(run_dir, "bench.jsonl"),
-            learner.stats,
-            spec.frames_per_step,
-            config.total_env_steps,
-        )
         try:
             _wait_for(
                 lambda: learner.stats.connected_envs == processes * num_envs,
                 120,
                 "every actor to connect",
             )
-            time.sleep(warmup_s)
-            metrics.record(learner.unrolls.qsize())  # opens the window
-            window = Window()
-            time.sleep(duration_s)
-            wall, cpu = window.elapsed()
-            record = metrics.record(learner.unrolls.qsize())
+            yield learner, config
         finally:
-            requests = watcher.stop() if watcher is not None else 0
             _stop_actors(actors)
             served.stop()
             stop_drain.set()
             if drain is not None:
                 drain.join()
-            metrics.close()
+
+
+def measure(
+    env: str,
+    processes: int,
+    num_envs: int,
+    groups: int,
+    warmup_s: float,
+    duration_s: float,
+    train: bool,
+    **overrides,
+) -> dict:
+    """Env frames/s of P actor processes x K envs served by one learner on this machine."""
+    from learner.metrics import MetricsLogger
+
+    with serving_fleet(env, processes, num_envs, groups, train, **overrides) as (learner, config):
+        metrics = MetricsLogger(
+            os.path.join(config.run_dir, "bench.jsonl"),
+            learner.stats,
+            learner.env_spec.frames_per_step,
+            config.total_env_steps,
+        )
+        time.sleep(warmup_s)
+        metrics.record(learner.unrolls.qsize())  # opens the window
+        window = Window()
+        time.sleep(duration_s)
+        wall, cpu = window.elapsed()
+        record = metrics.record(learner.unrolls.qsize())
+        metrics.close()
     steps_per_s = record["env_steps_per_s"] or 0.0
     row = {
         "env": env,
@@ -207,8 +211,6 @@ def measure(
         "time_inference": record["time_inference"],
         "time_inference_blocked": record["time_inference_blocked"],
     }
-    if dashboards is not None:
-        row.update(dashboards="on" if dashboards else "off", http_requests=requests)
     if train:
         row.update(
             network=config.network,
@@ -316,49 +318,106 @@ def run_training(settings: Settings) -> CaseResult:
 
 
 def run_dashboards(settings: Settings) -> CaseResult:
-    """Case (f): case (c) with the dashboards on and off, in the order on, off, off, on."""
+    """Case (f): case (c)'s fleet, windows with the dashboards on and off alternating.
+
+    One learner and one set of actors throughout, so that only the dashboards
+    differ between windows: on, TensorBoard writes and a watcher polls the page
+    and scrapes /metrics; off, neither (the idle HTTP server stays up). The
+    learner logs a line every second in both. Windows go on, off, off, on, ...
+    so that a drift of the machine's speed weighs on both alike.
+    """
+    from learner.metrics import MetricsLogger
+
     processes = settings.processes or cores()
     env = "counting:v0" if settings.short else "atari:Pong"
+    windows = 2 if settings.short else 8
+    window_s = settings.duration_s if settings.short else settings.duration_s / 2
     result = CaseResult(
         case="f",
         title="dashboards on and off: case (c) with TensorBoard, fleet page and /metrics",
         columns=[
             Column("env", "env", "{}"),
             Column("dashboards", "dashboards", "{}"),
+            Column("windows", "windows", "{}"),
             Column("env_frames_per_s", "env frames/s"),
             Column("learner_cpu_us_per_step", "learner us/step", "{:.2f}"),
+            Column("dashboards_cpu_share", "dashboards' share of learner CPU", "{:.2%}"),
             Column("http_requests", "HTTP requests", "{}"),
         ],
     )
-    # ABBA: a drift of the machine's speed over the case weighs on both alike.
-    order = (True, False) if settings.short else (True, False, False, True)
-    for dashboards in order:
-        result.rows.append(
-            measure(
-                env,
-                processes,
-                settings.envs_per_process,
-                1,
-                settings.warmup_s,
-                settings.duration_s,
-                train=False,
-                dashboards=dashboards,
-            )
+    totals = {
+        state: {"steps": 0, "wall": 0.0, "cpu": 0.0, "dashboards_cpu": 0.0, "requests": 0}
+        for state in (1, 0)
+    }
+    per_window: list[dict[str, Any]] = []
+    with serving_fleet(
+        env, processes, settings.envs_per_process, 1, train=False, log_interval_s=1.0
+    ) as (learner, config):
+        metrics = MetricsLogger(
+            os.path.join(config.run_dir, "bench.jsonl"),
+            learner.stats,
+            learner.env_spec.frames_per_step,
+            config.total_env_steps,
         )
-
-    def mean(state: str, field: str) -> float:
-        values = [row[field] for row in result.rows if row["dashboards"] == state]
-        return sum(values) / len(values)
-
-    fps_ratio = mean("on", "env_frames_per_s") / max(mean("off", "env_frames_per_s"), 1e-9)
-    cpu_ratio = mean("on", "learner_cpu_us_per_step") / max(
-        mean("off", "learner_cpu_us_per_step"), 1e-9
-    )
-    result.summary = {"fps_on_over_off": fps_ratio, "learner_cpu_on_over_off": cpu_ratio}
+        time.sleep(settings.warmup_s)
+        for index in range(windows):
+            on = index % 4 in (0, 3)
+            learner.telemetry.enable_tensorboard(on)
+            watcher = _Watcher(learner.telemetry.url) if on else None
+            steps = learner.stats.counters()["env_steps"]
+            dashboards_cpu = learner.telemetry.cpu_seconds
+            window = Window()
+            time.sleep(window_s)
+            wall, cpu = window.elapsed()
+            steps = learner.stats.counters()["env_steps"] - steps
+            dashboards_cpu = learner.telemetry.cpu_seconds - dashboards_cpu
+            requests = watcher.stop() if watcher is not None else 0
+            total = totals[on]
+            total["steps"] += steps
+            total["wall"] += wall
+            total["cpu"] += cpu
+            total["dashboards_cpu"] += dashboards_cpu
+            total["requests"] += requests
+            per_window.append(
+                {
+                    "dashboards": "on" if on else "off",
+                    "env_steps_per_s": round(steps / wall, 1),
+                    "learner_cpu_us_per_step": round(1e6 * cpu / max(steps, 1), 2),
+                    "dashboards_cpu_share": round(dashboards_cpu / max(cpu, 1e-9), 5),
+                }
+            )
+        learner.telemetry.enable_tensorboard(True)
+        metrics.close()
+    frames_per_step = 4 if env.startswith("atari:") else 1
+    for on, total in totals.items():
+        result.rows.append(
+            {
+                "env": env,
+                "processes": processes,
+                "envs_per_process": settings.envs_per_process,
+                "dashboards": "on" if on else "off",
+                "windows": windows // 2,
+                "window_s": window_s,
+                "env_frames_per_s": frames_per_step * total["steps"] / total["wall"],
+                "learner_cpu_us_per_step": 1e6 * total["cpu"] / max(total["steps"], 1),
+                "dashboards_cpu_share": total["dashboards_cpu"] / max(total["cpu"], 1e-9),
+                "http_requests": total["requests"],
+            }
+        )
+    on_row, off_row = result.rows
+    fps_ratio = on_row["env_frames_per_s"] / max(off_row["env_frames_per_s"], 1e-9)
+    cpu_ratio = on_row["learner_cpu_us_per_step"] / max(off_row["learner_cpu_us_per_step"], 1e-9)
+    result.summary = {
+        "fps_on_over_off": fps_ratio,
+        "learner_cpu_on_over_off": cpu_ratio,
+        "dashboards_cpu_share_on": on_row["dashboards_cpu_share"],
+        "windows": per_window,
+    }
     result.notes.append(
-        f"On/off: env frames/s x{fps_ratio:.3f}, learner CPU per env step x{cpu_ratio:.3f} "
-        "(target: the learner no more than 2% slower). On: event files, the HTTP server, "
-        f"the page polled every {_Watcher.PAGE_POLL_S:g} s and /metrics scraped every "
-        f"{_Watcher.SCRAPE_S:g} s; both: a log line every second."
+        f"The dashboards took {on_row['dashboards_cpu_share']:.2%} of the learner's CPU while "
+        f"on (target: at most 2%); on/off: env frames/s x{fps_ratio:.3f}, learner CPU per env "
+        f"step x{cpu_ratio:.3f}, ratios within this machine's window-to-window noise. On: event "
+        f"files written, the page polled every {_Watcher.PAGE_POLL_S:g} s and /metrics "
+        f"scraped every {_Watcher.SCRAPE_S:g} s by another process; both: a log line a second."
     )
     return result

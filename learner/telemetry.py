@@ -232,6 +232,11 @@ class _Collector:
             ("seedrl_uptime_seconds", "Seconds since the learner started.", telemetry.uptime_s()),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
+        yield CounterMetricFamily(
+            "seedrl_telemetry_cpu_seconds",
+            "CPU time spent on TensorBoard, the fleet page and these metrics.",
+            value=telemetry.cpu_seconds,
+        )
         record = telemetry.latest or {}
         for name, help_text, field, scale in RECORD_GAUGES:
             value = _finite(record.get(field))
@@ -275,6 +280,9 @@ class Telemetry:
         self._http_address = http_address
         self._http_port = http_port
         self._writer: Any = None
+        self._tensorboard_paused = False
+        self._cpu_lock = threading.Lock()
+        self._cpu_s = 0.0
         self._server: http.server.ThreadingHTTPServer | None = None
         self._history: collections.deque[dict[str, Any]] = collections.deque()
         self._history_lock = threading.Lock()
@@ -304,6 +312,10 @@ class Telemetry:
                 os.path.join(self.run_dir, "tensorboard"), flush_secs=10, max_queue=100
             )
 
+    def enable_tensorboard(self, enabled: bool) -> None:
+        """Pauses or resumes writing event files (benchmarks compare the two)."""
+        self._tensorboard_paused = not enabled
+
     @property
     def http_port(self) -> int | None:
         return None if self._server is None else self._server.server_address[1]
@@ -325,6 +337,18 @@ class Telemetry:
             self._writer.close()
             self._writer = None
 
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time the dashboards have cost this process: publishing and HTTP requests."""
+        with self._cpu_lock:
+            return self._cpu_s
+
+    def _charge(self, started: float) -> None:
+        """Adds the calling thread's CPU time since `started` (a time.thread_time())."""
+        spent = time.thread_time() - started
+        with self._cpu_lock:
+            self._cpu_s += spent
+
     def uptime_s(self) -> float:
         return time.time() - self.stats.start_time
 
@@ -332,6 +356,13 @@ class Telemetry:
 
     def publish(self, record: dict[str, Any]) -> None:
         """Takes the record of the interval just ended (called by the learner's loop)."""
+        started = time.thread_time()
+        try:
+            self._publish(record)
+        finally:
+            self._charge(started)
+
+    def _publish(self, record: dict[str, Any]) -> None:
         self.latest = record
         point = {
             "elapsed_s": record["elapsed_s"],
@@ -344,7 +375,7 @@ class Telemetry:
             if len(self._history) > HISTORY_POINTS:
                 # Every other point goes: the charts keep the whole run, coarser.
                 self._history = collections.deque(list(self._history)[::2])
-        if self._writer is not None:
+        if self._writer is not None and not self._tensorboard_paused:
             step = int(record["env_frames"])
             for field, tag in TENSORBOARD_TAGS.items():
                 value = _finite(record.get(field))
@@ -391,6 +422,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "seedrl"
 
     def do_GET(self) -> None:
+        started = time.thread_time()
+        try:
+            self._get()
+        finally:
+            self.telemetry._charge(started)
+
+    def _get(self) -> None:
         path = self.path.split("?", 1)[0]
         try:
             if path in ("/", "/index.html"):

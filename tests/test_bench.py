@@ -88,6 +88,7 @@ def test_dashboards_case_measures_both_states(short_run):
     rows = results["f"]["rows"]
     assert [row["dashboards"] for row in rows] == ["on", "off"]
     on, off = rows
+    assert on["windows"] == off["windows"] == 1
     assert on["http_requests"] >= 1 and off["http_requests"] == 0  # the page was watched
     assert on["env_frames_per_s"] > 0 and off["env_frames_per_s"] > 0
     summary = results["f"]["summary"]
