@@ -17,6 +17,16 @@ def _round(value: float | None, digits: int = 4) -> float | None:
     return round(value, digits)
 
 
+def format_duration(seconds: float) -> str:
+    """3725 -> "1h02m", 95 -> "1m35s", 7 -> "7s"."""
+    total = round(seconds)
+    if total >= 3600:
+        return f"{total // 3600}h{total % 3600 // 60:02d}m"
+    if total >= 60:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total}s"
+
+
 class MetricsLogger:
     """Turns LearnerStats snapshots into records: rates, means and time shares."""
 
@@ -98,8 +108,11 @@ class MetricsLogger:
         filled = min(bar_width, int(progress * bar_width))
         episode_return = record["episode_return_mean"]
         lag = record["policy_lag_mean"]
+        rate = record["env_steps_per_s"]
+        remaining = max(0, self._total_env_steps - record["env_steps"])
+        eta = format_duration(remaining / rate) if rate else "-"
         return (
-            f"[{'#' * filled}{'.' * (bar_width - filled)}] {100 * progress:5.1f}% "
+            f"[{'#' * filled}{'.' * (bar_width - filled)}] {100 * progress:5.1f}% eta {eta} "
             f"steps {record['env_steps']:,} frames {record['env_frames']:,} "
             f"fps {record['fps'] or 0:,.0f} "
             f"return {'-' if episode_return is None else f'{episode_return:.2f}'} "

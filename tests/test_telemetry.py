@@ -327,3 +327,67 @@ def test_event_files_and_checkpoint_after_a_clean_stop(fleet):
     live = jax.tree.leaves(fleet.learner.learner.trainer.state.params)
     for saved, trained in zip(jax.tree.leaves(params), live, strict=True):
         np.testing.assert_array_equal(np.asarray(saved), np.asarray(trained))
+
+
+def test_dashboard_script_serves_the_runs_event_files(tmp_path):
+    """scripts/dashboard.sh starts TensorBoard itself, which lists the run's tags."""
+    import signal
+    import time
+
+    from tests.fleet import free_port
+
+    telemetry = Telemetry(
+        str(tmp_path),
+        LearnerStats(),
+        {},
+        lambda: 0,
+        {"frames_per_step": 1},
+        tensorboard=True,
+        http_address="127.0.0.1",
+        http_port=-1,
+    )
+    telemetry.start()
+    for index in range(3):
+        telemetry.publish(
+            {
+                "time": 1000.0 + index,
+                "elapsed_s": float(index),
+                "env_frames": 100 * index,
+                "fps": 50.0,
+                "episode_return_mean": float(index),
+            }
+        )
+    telemetry.close()
+    port = free_port()
+    log = open(tmp_path / "dashboard.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [str(ROOT / "scripts" / "dashboard.sh"), str(tmp_path), "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        tags = None
+        while tags is None:
+            assert process.poll() is None, (tmp_path / "dashboard.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "TensorBoard did not answer within 180 s"
+            try:
+                status, _, body = fetch(f"http://127.0.0.1:{port}/data/plugin/scalars/tags")
+                if status == 200:
+                    tags = json.loads(body)
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        (run_tags,) = tags.values()
+        assert {"throughput/env_frames_per_s", "episode/return"} <= set(run_tags)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+        log.close()
+
+
+def test_dashboard_script_needs_a_run_dir():
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "dashboard.sh"), "/nonexistent"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "usage" in result.stderr
