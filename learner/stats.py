@@ -98,14 +98,17 @@ class LearnerStats:
     def counters(self) -> dict[str, int]:
         """The cumulative counters, read together."""
         with self._lock:
-            return {
-                "env_steps": self.env_steps,
-                "episodes": self.episodes,
-                "updates": self.updates,
-                "connected_actors": self.connected_actors,
-                "connected_envs": self.connected_envs,
-                "rejected_streams": self.rejected_streams,
-            }
+            return self._counters()
+
+    def _counters(self) -> dict[str, int]:
+        return {
+            "env_steps": self.env_steps,
+            "episodes": self.episodes,
+            "updates": self.updates,
+            "connected_actors": self.connected_actors,
+            "connected_envs": self.connected_envs,
+            "rejected_streams": self.rejected_streams,
+        }
 
     def progress(self) -> tuple[int, list[float]]:
         """Env steps so far and the returns of the last RETURN_WINDOW episodes."""
@@ -123,12 +126,7 @@ class LearnerStats:
             clipped_returns = list(self._clipped_returns)
             lengths = list(self._lengths)
             return {
-                "env_steps": self.env_steps,
-                "episodes": self.episodes,
-                "updates": self.updates,
-                "connected_actors": self.connected_actors,
-                "connected_envs": self.connected_envs,
-                "rejected_streams": self.rejected_streams,
+                **self._counters(),
                 "returns": returns,
                 "clipped_returns": clipped_returns,
                 "lengths": lengths,

@@ -129,18 +129,23 @@ def test_actor_table_sums_an_actors_streams_and_measures_its_rate(monkeypatch):
     assert second["a"]["steps_per_s"] == pytest.approx(20 * 4)
 
 
-def test_chart_history_keeps_the_whole_run_when_thinned(tmp_path, monkeypatch):
-    monkeypatch.setattr("learner.telemetry.HISTORY_POINTS", 10)
-    telemetry = Telemetry(
-        str(tmp_path),
+def offline_telemetry(run_dir: pathlib.Path, tensorboard: bool) -> Telemetry:
+    """A learner's telemetry with no learner and no HTTP server."""
+    return Telemetry(
+        str(run_dir),
         LearnerStats(),
         {},
         lambda: 0,
         {"frames_per_step": 1},
-        tensorboard=False,
+        tensorboard=tensorboard,
         http_address="127.0.0.1",
         http_port=-1,
     )
+
+
+def test_chart_history_keeps_the_whole_run_when_thinned(tmp_path, monkeypatch):
+    monkeypatch.setattr("learner.telemetry.HISTORY_POINTS", 10)
+    telemetry = offline_telemetry(tmp_path, tensorboard=False)
     for index in range(25):
         telemetry.publish(
             {
@@ -336,16 +341,7 @@ def test_dashboard_script_serves_the_runs_event_files(tmp_path):
 
     from tests.fleet import free_port
 
-    telemetry = Telemetry(
-        str(tmp_path),
-        LearnerStats(),
-        {},
-        lambda: 0,
-        {"frames_per_step": 1},
-        tensorboard=True,
-        http_address="127.0.0.1",
-        http_port=-1,
-    )
+    telemetry = offline_telemetry(tmp_path, tensorboard=True)
     telemetry.start()
     for index in range(3):
         telemetry.publish(
