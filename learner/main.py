@@ -19,6 +19,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     # jax reports at INFO each accelerator plugin it did not find.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    # orbax narrates every checkpoint at INFO through absl; learner.checkpoint says
+    # what matters in one line.
+    logging.getLogger("absl").setLevel(logging.WARNING)
     from learner.learner import Learner
 
     learner = Learner(config)
