@@ -74,8 +74,9 @@ class ActorConfig:
     """How long to wait for the learner's welcome before retrying."""
     backoff_initial_s: float = 0.5
     """First wait after a failed connection; doubled after each failure."""
-    backoff_max_s: float = 30.0
-    """Longest wait between attempts."""
+    backoff_max_s: float = 8.0
+    """Longest wait between attempts: a learner that is back is found within about this
+    long (plus jitter)."""
     give_up_after_s: float = 0.0
     """Exit (code 3) after this long without a learner; 0: retry forever."""
     log_interval_s: float = 30.0

@@ -6,6 +6,13 @@ frames, updates, time). orbax writes a checkpoint to a temporary directory and
 renames it when complete, so a crash mid-save never leaves a checkpoint that
 looks whole; it keeps the newest `keep` and deletes older ones.
 
+Deletion is made atomic too: orbax renames an old checkpoint into
+checkpoints/deleted/ (one rename) and the trash is emptied from there. A
+plain recursive delete killed halfway leaves a numbered directory with some
+of its files, which would be listed and fail to load; the fault tests found
+exactly that. `available` also lists only directories that hold orbax's
+metadata and every item, so nothing half-present is ever offered.
+
 The trainer saves every `interval_s` seconds between updates, and the learner
 once more at a clean stop. Saving is asynchronous: the arrays are copied to
 host memory at once and written by a background thread while training goes
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -24,6 +32,8 @@ import jax
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
+TRASH_DIR = "deleted"  # under CHECKPOINT_DIR: old checkpoints renamed here, then removed
+REQUIRED = ("_CHECKPOINT_METADATA", "params", "meta")
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -47,9 +57,19 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=True, create=True
+                max_to_keep=keep,
+                enable_async_checkpointing=True,
+                create=True,
+                # What a crash mid-save left behind (never listed as a checkpoint) goes.
+                cleanup_tmp_directories=True,
+                todelete_subdir=TRASH_DIR,
             ),
         )
+        self._empty_trash()
+
+    def _empty_trash(self) -> None:
+        """Removes checkpoints orbax renamed away (a crash here leaves only trash)."""
+        shutil.rmtree(os.path.join(self.directory, TRASH_DIR), ignore_errors=True)
 
     def due(self) -> bool:
         return time.monotonic() - self._last_save >= self._interval_s
@@ -66,6 +86,7 @@ class Checkpointer:
             items["opt_state"] = ocp.args.StandardSave(opt_state)
         self._manager.save(updates, args=ocp.args.Composite(**items))
         logger.info("checkpoint of update %d being written to %s", updates, self.directory)
+        self._empty_trash()
         return True
 
     def close(self) -> None:
@@ -75,14 +96,78 @@ class Checkpointer:
 
 
 def available(run_dir: str) -> list[int]:
-    """Update counts of the complete checkpoints of a run, oldest first."""
+    """Update counts of the complete checkpoints of a run, oldest first.
+
+    Read from the directory itself, not through orbax's manager, so that a
+    reader (seedrl-eval, a test) polling a live run never trips over a
+    checkpoint being renamed away while it looks.
+    """
+    directory = checkpoint_dir(run_dir)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(
+        int(name)
+        for name in names
+        if name.isdigit()
+        and all(os.path.exists(os.path.join(directory, name, item)) for item in REQUIRED)
+    )
+
+
+def _choose(run_dir: str, updates: int | None) -> int:
+    steps = available(run_dir)
+    if not steps:
+        raise NoCheckpointError(f"no complete checkpoint under {checkpoint_dir(run_dir)}")
+    if updates is None:
+        return steps[-1]
+    if updates not in steps:
+        raise NoCheckpointError(
+            f"no checkpoint of update {updates} under {checkpoint_dir(run_dir)}; "
+            f"there are: {', '.join(map(str, steps))}"
+        )
+    return updates
+
+
+def _restore(run_dir: str, updates: int, **items: Any) -> dict[str, Any]:
+    """Restores the named items (abstract trees, or None for the JSON meta)."""
     import orbax.checkpoint as ocp
 
-    directory = checkpoint_dir(run_dir)
-    if not os.path.isdir(directory):
-        return []
-    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False)) as m:
-        return sorted(m.all_steps())
+    args = {
+        name: ocp.args.JsonRestore()
+        if example is None
+        else ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, example))
+        for name, example in items.items()
+    }
+    with ocp.CheckpointManager(
+        checkpoint_dir(run_dir), options=ocp.CheckpointManagerOptions(create=False)
+    ) as manager:
+        return dict(manager.restore(updates, args=ocp.args.Composite(**args)))
+
+
+def load_state(
+    run_dir: str, example_params: Any, example_opt_state: Any, updates: int | None = None
+) -> tuple[Any, Any, dict]:
+    """Parameters, optimizer state and counters of a checkpoint (the newest by default),
+    for resuming a run; the examples give the trees' structures, shapes and dtypes."""
+    updates = _choose(run_dir, updates)
+    items: dict[str, Any] = {"params": example_params, "meta": None}
+    if jax.tree.leaves(example_opt_state):
+        items["opt_state"] = example_opt_state
+    restored = _restore(run_dir, updates, **items)
+    return restored["params"], restored.get("opt_state", example_opt_state), restored["meta"]
+
+
+def resolve(path: str) -> tuple[str, int | None]:
+    """A run directory, its checkpoints/ directory, or one checkpoint's directory ->
+    (run directory, update count or None for the newest)."""
+    path = os.path.abspath(path.rstrip("/"))
+    parent, name = os.path.split(path)
+    if name.isdigit() and os.path.basename(parent) == CHECKPOINT_DIR:
+        return os.path.dirname(parent), int(name)
+    if name == CHECKPOINT_DIR:
+        return parent, None
+    return path, None
 
 
 def load_params(run_dir: str, example_params: Any, updates: int | None = None) -> tuple[Any, dict]:
@@ -91,26 +176,6 @@ def load_params(run_dir: str, example_params: Any, updates: int | None = None) -
     `example_params` gives the tree's structure, shapes and dtypes (for
     instance the network's freshly initialised parameters).
     """
-    import orbax.checkpoint as ocp
-
-    steps = available(run_dir)
-    if not steps:
-        raise NoCheckpointError(f"no complete checkpoint under {checkpoint_dir(run_dir)}")
-    if updates is None:
-        updates = steps[-1]
-    elif updates not in steps:
-        raise NoCheckpointError(
-            f"no checkpoint of update {updates} under {checkpoint_dir(run_dir)}; "
-            f"there are: {', '.join(map(str, steps))}"
-        )
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, example_params)
-    with ocp.CheckpointManager(
-        checkpoint_dir(run_dir), options=ocp.CheckpointManagerOptions(create=False)
-    ) as manager:
-        restored = manager.restore(
-            updates,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+    updates = _choose(run_dir, updates)
+    restored = _restore(run_dir, updates, params=example_params, meta=None)
     return restored["params"], dict(restored["meta"])

@@ -33,7 +33,8 @@ class LearnerConfig:
     bind_address: str = "[::]"
     """Address the gRPC server listens on; "[::]" is every interface (IPv4 and IPv6)."""
     run_dir: str = ""
-    """Directory for metrics.jsonl and logs; empty: runs/ENV-TIMESTAMP."""
+    """Directory for metrics, event files and checkpoints; empty: runs/ENV-TIMESTAMP. A run
+    directory that has checkpoints is resumed from the newest."""
     total_env_steps: int = 50_000_000
     """Env steps (agent steps, summed over all envs of all actors) to train for; then exit."""
     seed: int = 0
@@ -113,6 +114,12 @@ class LearnerConfig:
     """Seconds between checkpoints of the training state (and one at every clean stop)."""
     checkpoints_to_keep: int = 3
     """Newest checkpoints kept under RUN_DIR/checkpoints; older ones are deleted."""
+    init_checkpoint: str = ""
+    """Start a new run from these parameters: a run directory (its newest checkpoint) or
+    RUN_DIR/checkpoints/UPDATES. Ignored when RUN_DIR has checkpoints of its own (resume)."""
+    max_nonfinite_updates: int = 10
+    """Stop (with a checkpoint of the last good state) after this many updates in a row
+    whose loss or gradient was not finite; each one is skipped."""
 
     def __post_init__(self) -> None:
         def require(condition: bool, message: str) -> None:
@@ -155,6 +162,7 @@ class LearnerConfig:
         )
         require(self.checkpoint_interval_s > 0, "checkpoint_interval_s must be positive")
         require(self.checkpoints_to_keep >= 1, "checkpoints_to_keep must be at least 1")
+        require(self.max_nonfinite_updates >= 1, "max_nonfinite_updates must be at least 1")
 
     @property
     def inference_timeout_s(self) -> float:

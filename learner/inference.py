@@ -118,6 +118,11 @@ class InferenceLoop:
         while batch := self._batcher.next_batch(0):
             self._deliver(batch, [STOPPED] * len(batch))
 
+    @property
+    def rng_key(self) -> jax.Array:
+        """The sampling key as it stands (for checkpoints)."""
+        return self._key
+
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():

@@ -19,6 +19,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc.aio
 import jax
@@ -26,6 +27,7 @@ import numpy as np
 import optax
 
 from envs import registry
+from learner import checkpoint
 from learner.agents.vtrace import learning
 from learner.batcher import DynamicBatcher
 from learner.checkpoint import Checkpointer
@@ -121,8 +123,9 @@ class Learner:
         self._schedule = learning_rate_schedule(config)
         optimizer = optimizer_for(config, self._schedule)
         settings = loss_settings(config)
-        state = learning.TrainState(params, optimizer.init(params), jax.numpy.int32(0))
-        self.parameters = ParameterSource(params, version=0)
+        params, opt_state, updates = self._initial_state(params, optimizer.init(params))
+        state = learning.TrainState(params, opt_state, jax.numpy.int32(updates))
+        self.parameters = ParameterSource(params, version=updates)
         self.unrolls: queue.Queue = queue.Queue(maxsize=config.unroll_queue_size)
         self.store = UnrollStore(
             config.unroll_length, spec.observation, reward_clipping=config.reward_clipping
@@ -162,6 +165,10 @@ class Learner:
             checkpointer=Checkpointer(
                 self.run_dir, config.checkpoint_interval_s, config.checkpoints_to_keep
             ),
+            checkpoint_meta=lambda: {
+                "rng_key": jax.random.key_data(self.inference.rng_key).tolist()
+            },
+            max_nonfinite_updates=config.max_nonfinite_updates,
         )
         self.telemetry = Telemetry(
             run_dir=self.run_dir,
@@ -179,7 +186,43 @@ class Learner:
             tensorboard=config.tensorboard,
             http_address=config.http_bind_address,
             http_port=config.http_port,
+            resume_frames=(
+                None
+                if self.resumed_from is None
+                else self.stats.counters()["env_steps"] * spec.frames_per_step
+            ),
         )
+
+    def _initial_state(self, params: Any, opt_state: Any) -> tuple[Any, Any, int]:
+        """Resumes the run directory's newest checkpoint, or starts from --init-checkpoint's
+        parameters, or from `params`: (params, optimizer state, updates done)."""
+        config = self.config
+        self.resumed_from: int | None = None
+        if checkpoint.available(self.run_dir):
+            params, opt_state, meta = checkpoint.load_state(self.run_dir, params, opt_state)
+            updates = int(meta["updates"])
+            self.resumed_from = updates
+            self.stats.restore(int(meta["env_steps"]), int(meta["episodes"]), updates)
+            if "rng_key" in meta:
+                self._policy_key = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
+            logger.info(
+                "resuming %s from its checkpoint of update %d (%d env steps)",
+                self.run_dir,
+                updates,
+                meta["env_steps"],
+            )
+            if config.init_checkpoint:
+                logger.warning("--init-checkpoint ignored: the run resumes its own checkpoint")
+            return params, opt_state, updates
+        if config.init_checkpoint:
+            run_dir, updates = checkpoint.resolve(config.init_checkpoint)
+            params, meta = checkpoint.load_params(run_dir, params, updates)
+            logger.info(
+                "a new run from the parameters of %s, update %d",
+                config.init_checkpoint,
+                meta["updates"],
+            )
+        return params, opt_state, 0
 
     # -- lifecycle ----------------------------------------------------------
 

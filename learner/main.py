@@ -22,9 +22,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     # orbax narrates every checkpoint at INFO through absl; learner.checkpoint says
     # what matters in one line.
     logging.getLogger("absl").setLevel(logging.WARNING)
+    from learner.checkpoint import NoCheckpointError
     from learner.learner import Learner
 
-    learner = Learner(config)
+    try:
+        learner = Learner(config)
+    except NoCheckpointError as error:
+        logging.getLogger("learner").error("--init-checkpoint: %s", error)
+        sys.exit(2)
     logging.getLogger("learner").info(
         "compiling inference and the update for %s (%s)...", config.env, config.network
     )

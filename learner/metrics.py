@@ -38,8 +38,10 @@ class MetricsLogger:
         self._frames_per_step = frames_per_step
         self._total_env_steps = total_env_steps
         self._last_time = time.time()
-        self._last_env_steps = 0
-        self._last_updates = 0
+        # A resumed run's counters start where its checkpoint left them.
+        counters = stats.counters()
+        self._last_env_steps = counters["env_steps"]
+        self._last_updates = counters["updates"]
 
     def record(self, unroll_queue_depth: int) -> dict[str, Any]:
         """The figures of the interval since the previous record."""
@@ -87,6 +89,7 @@ class MetricsLogger:
             "connected_actors": snapshot["connected_actors"],
             "connected_envs": snapshot["connected_envs"],
             "rejected_streams": snapshot["rejected_streams"],
+            "skipped_updates": snapshot["skipped_updates"],
             # Shares of the interval: the inference thread computing or blocked on a
             # full unroll queue; the trainer waiting for unrolls or training.
             "time_inference": _round(timers.get("inference", 0.0) / interval, 3),

@@ -42,6 +42,7 @@ class LearnerStats:
         self.connected_actors = 0
         self.connected_envs = 0
         self.rejected_streams = 0
+        self.skipped_updates = 0
         self._returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
         self._clipped_returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
         self._lengths: collections.deque[int] = collections.deque(maxlen=RETURN_WINDOW)
@@ -93,6 +94,15 @@ class LearnerStats:
         with self._lock:
             self.rejected_streams += 1
 
+    def count_skipped_update(self) -> None:
+        with self._lock:
+            self.skipped_updates += 1
+
+    def restore(self, env_steps: int, episodes: int, updates: int) -> None:
+        """Counters of a resumed run continue from its checkpoint."""
+        with self._lock:
+            self.env_steps, self.episodes, self.updates = env_steps, episodes, updates
+
     # -- readers ------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
@@ -108,6 +118,7 @@ class LearnerStats:
             "connected_actors": self.connected_actors,
             "connected_envs": self.connected_envs,
             "rejected_streams": self.rejected_streams,
+            "skipped_updates": self.skipped_updates,
         }
 
     def progress(self) -> tuple[int, list[float]]:

@@ -219,6 +219,11 @@ class _Collector:
                 "Actor streams refused before being served.",
                 counters["rejected_streams"],
             ),
+            (
+                "seedrl_skipped_updates",
+                "Updates skipped for a non-finite loss or gradient.",
+                counters["skipped_updates"],
+            ),
         ):
             yield CounterMetricFamily(name, help_text, value=value)
         for name, help_text, value in (
@@ -267,9 +272,12 @@ class Telemetry:
         tensorboard: bool,
         http_address: str,
         http_port: int,
+        resume_frames: int | None = None,
     ):
         """`http_port` -1: no HTTP server; 0: any free port. `run_info` names the run
-        (env, network, learner_id, run_dir, total_env_steps, frames_per_step)."""
+        (env, network, learner_id, run_dir, total_env_steps, frames_per_step).
+        `resume_frames`: the env frames of the checkpoint a resumed run starts from;
+        TensorBoard then drops what earlier event files hold beyond it."""
         self.run_dir = run_dir
         self.stats = stats
         self.queue_depth = queue_depth
@@ -277,6 +285,7 @@ class Telemetry:
         self.latest: dict[str, Any] | None = None
         self.actors = ActorTable(streams)
         self._tensorboard = tensorboard
+        self._resume_frames = resume_frames
         self._http_address = http_address
         self._http_port = http_port
         self._writer: Any = None
@@ -309,7 +318,10 @@ class Telemetry:
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(
-                os.path.join(self.run_dir, "tensorboard"), flush_secs=10, max_queue=100
+                os.path.join(self.run_dir, "tensorboard"),
+                flush_secs=10,
+                max_queue=100,
+                purge_step=self._resume_frames,
             )
 
     def enable_tensorboard(self, enabled: bool) -> None:

@@ -37,6 +37,10 @@ def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
     return trajectories, stack("policy_versions")
 
 
+class NonFiniteLoss(RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
 class Trainer:
     def __init__(
         self,
@@ -50,11 +54,18 @@ class Trainer:
         on_failure: Callable[[BaseException], None],
         recycle: Callable[[list[Unroll]], None] | None = None,
         checkpointer: Checkpointer | None = None,
+        checkpoint_meta: Callable[[], dict] | None = None,
+        max_nonfinite_updates: int = 10,
     ):
         """`recycle` takes back the unrolls of each batch once it is stacked;
-        `checkpointer` saves the state between updates when one is due."""
+        `checkpointer` saves the state between updates when one is due, with the
+        counters and whatever `checkpoint_meta` adds; after `max_nonfinite_updates`
+        skipped (non-finite) updates in a row the trainer fails with NonFiniteLoss."""
         self.state = state
         self._checkpointer = checkpointer
+        self._checkpoint_meta = checkpoint_meta
+        self._max_nonfinite = max_nonfinite_updates
+        self._nonfinite_in_a_row = 0
         self._recycle = recycle
         self._update_fn = update_fn
         self._unrolls = unrolls
@@ -103,6 +114,9 @@ class Trainer:
                 self._stats.add_time("training", time.perf_counter() - started)
                 if self._checkpointer is not None and self._checkpointer.due():
                     self.save_checkpoint()
+        except NonFiniteLoss as error:
+            logger.error("the trainer stops: %s", error)
+            self._on_failure(error)
         except BaseException as error:
             logger.exception("the trainer failed")
             self._on_failure(error)
@@ -113,12 +127,31 @@ class Trainer:
         if self._checkpointer is None or int(self.state.updates) == 0:
             return
         counters = self._stats.counters()
+        meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"]}
+        if self._checkpoint_meta is not None:
+            meta.update(self._checkpoint_meta())
         self._checkpointer.save(
-            int(self.state.updates),
-            self.state.params,
-            self.state.opt_state,
-            {"env_steps": counters["env_steps"], "episodes": counters["episodes"]},
+            int(self.state.updates), self.state.params, self.state.opt_state, meta
         )
+
+    def _skip(self, metrics: dict[str, float]) -> None:
+        """An update whose loss or gradient was not finite: nothing of it was applied."""
+        self._nonfinite_in_a_row += 1
+        self._stats.count_skipped_update()
+        logger.warning(
+            "update %d skipped: loss %s, gradient norm %s (%d in a row; the limit is %d)",
+            int(self.state.updates) + 1,
+            metrics["loss"],
+            metrics["grad_norm"],
+            self._nonfinite_in_a_row,
+            self._max_nonfinite,
+        )
+        if self._nonfinite_in_a_row >= self._max_nonfinite:
+            raise NonFiniteLoss(
+                f"{self._nonfinite_in_a_row} updates in a row had a non-finite loss or "
+                f"gradient; the state of update {int(self.state.updates)}, the last good one, "
+                "is checkpointed. Lower --learning-rate or check the inputs."
+            )
 
     def close_checkpoints(self) -> None:
         """Waits for checkpoints being written (call once the trainer has stopped)."""
@@ -131,9 +164,13 @@ class Trainer:
             self._recycle(batch)  # stacked: nothing refers to them any more
         version = int(self.state.updates)
         self.state, metrics = self._update_fn(self.state, trajectories)
+        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        if not metrics.pop("finite"):
+            self._skip(metrics)
+            return
+        self._nonfinite_in_a_row = 0
         new_version = version + 1
         self._parameters.publish(self.state.params, new_version)
-        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
         metrics["learning_rate"] = float(self._learning_rate(version))
         # Lag: updates between the parameters that acted and those that learnt from it.
         lag = version - versions[:-1]

@@ -106,6 +106,25 @@ def test_updates_fit_the_values_of_a_fixed_batch():
     assert update._cache_size() == 1
 
 
+def test_an_update_with_a_nan_leaves_the_state_as_it_was():
+    rng = np.random.default_rng(1)
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
+    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
+    update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
+    state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+    state, metrics = update(state, random_batch(rng))
+    assert bool(metrics["finite"]) and int(state.updates) == 1
+    poisoned = random_batch(rng)
+    observations = np.array(poisoned.observations)
+    observations[3, 1, 0] = np.nan
+    after, metrics = update(state, poisoned._replace(observations=observations))
+    assert not bool(metrics["finite"])
+    assert int(after.updates) == 1
+    for before, kept in zip(jax.tree.leaves(state), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(kept))
+
+
 @pytest.mark.parametrize(
     ("name", "observation"),
     [

@@ -56,3 +56,27 @@ def test_an_unfinished_checkpoint_is_not_listed(tmp_path):
     # What a crash mid-save leaves: orbax's temporary directory, never renamed.
     (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-123").mkdir()
     assert checkpoint.available(str(tmp_path)) == [5]
+
+
+def test_a_half_deleted_checkpoint_is_not_listed(tmp_path):
+    saver = checkpoint.Checkpointer(str(tmp_path), interval_s=3600, keep=5)
+    for updates in (1, 2):
+        saver.save(updates, tree(updates), {"mu": tree(0)}, {})
+    saver.close()
+    # What a recursive delete killed halfway leaves: the directory, some of its items.
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints" / "1" / "params")
+    (tmp_path / "checkpoints" / "1" / "_CHECKPOINT_METADATA").unlink()
+    assert checkpoint.available(str(tmp_path)) == [2]
+
+
+def test_old_checkpoints_go_by_rename_and_the_trash_is_emptied(tmp_path):
+    saver = checkpoint.Checkpointer(str(tmp_path), interval_s=3600, keep=1)
+    for updates in (1, 2, 3):
+        saver.save(updates, tree(updates), {"mu": tree(0)}, {})
+    saver.close()
+    saver = checkpoint.Checkpointer(str(tmp_path), interval_s=3600, keep=1)
+    saver.close()
+    names = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert names == ["3"]

@@ -12,8 +12,9 @@ import numpy as np
 from learner.agents.vtrace.learning import TrainState
 from learner.inference import ParameterSource
 from learner.stats import LearnerStats
-from learner.trainer import Trainer, stack_unrolls
+from learner.trainer import NonFiniteLoss, Trainer, stack_unrolls
 from learner.unroll_store import Unroll
+from tests.fleet import wait_until
 
 
 def unroll(value: int, steps: int = 4, version: int = 0) -> Unroll:
@@ -30,12 +31,21 @@ def unroll(value: int, steps: int = 4, version: int = 0) -> Unroll:
 
 
 def fake_update(state: TrainState, batch):
-    return TrainState(state.params, state.opt_state, state.updates + 1), {"loss": np.float32(0.5)}
+    metrics = {"loss": np.float32(0.5), "grad_norm": np.float32(1.0), "finite": np.bool_(True)}
+    return TrainState(state.params, state.opt_state, state.updates + 1), metrics
 
 
-def make_trainer(unrolls: queue.Queue, parameters: ParameterSource, failures: list) -> Trainer:
+def nonfinite_update(state: TrainState, batch):
+    """What the real update returns for a NaN loss: the state unchanged."""
+    metrics = {"loss": np.float32("nan"), "grad_norm": np.float32("nan"), "finite": np.bool_(False)}
+    return state, metrics
+
+
+def make_trainer(
+    unrolls: queue.Queue, parameters: ParameterSource, failures: list, update_fn=fake_update, **kw
+) -> Trainer:
     return Trainer(
-        update_fn=fake_update,
+        update_fn=update_fn,
         state=TrainState(params={"w": 1}, opt_state=(), updates=np.int32(0)),
         unrolls=unrolls,
         batch_size=2,
@@ -43,6 +53,7 @@ def make_trainer(unrolls: queue.Queue, parameters: ParameterSource, failures: li
         stats=LearnerStats(),
         learning_rate=lambda step: 0.1,
         on_failure=failures.append,
+        **kw,
     )
 
 
@@ -91,3 +102,48 @@ def test_stop_returns_while_unrolls_keep_arriving():
     finally:
         producing.clear()
         producer.join()
+
+
+def test_nonfinite_updates_are_skipped_then_stop_the_trainer():
+    unrolls: queue.Queue = queue.Queue()
+    parameters = ParameterSource({"w": 0}, version=0)
+    failures: list = []
+    trainer = make_trainer(
+        unrolls, parameters, failures, update_fn=nonfinite_update, max_nonfinite_updates=3
+    )
+    for index in range(2 * 3):
+        unrolls.put(unroll(index))
+    trainer.start()
+    try:
+        wait_until(lambda: failures, 30, "the trainer to give up")
+    finally:
+        trainer.stop()
+    (error,) = failures
+    assert isinstance(error, NonFiniteLoss)
+    assert "3 updates in a row had a non-finite loss" in str(error)
+    assert parameters.latest() == ({"w": 0}, 0)  # nothing was published
+    assert int(trainer.state.updates) == 0
+    assert trainer._stats.counters()["skipped_updates"] == 3
+
+
+def test_a_finite_update_resets_the_count_of_skipped_ones():
+    outcomes = iter([False, False, True, False, False, True])
+
+    def flaky_update(state, batch):
+        return nonfinite_update(state, batch) if not next(outcomes) else fake_update(state, batch)
+
+    unrolls: queue.Queue = queue.Queue()
+    parameters = ParameterSource({"w": 0}, version=0)
+    failures: list = []
+    trainer = make_trainer(
+        unrolls, parameters, failures, update_fn=flaky_update, max_nonfinite_updates=3
+    )
+    for index in range(2 * 6):
+        unrolls.put(unroll(index))
+    trainer.start()
+    try:
+        wait_until(lambda: parameters.latest()[1] == 2, 30, "two good updates")
+    finally:
+        trainer.stop()
+    assert not failures
+    assert trainer._stats.counters()["skipped_updates"] == 4

@@ -176,14 +176,24 @@ def make_update_fn(
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
 ) -> Callable[[TrainState, Trajectories], tuple[TrainState, dict[str, jax.Array]]]:
-    """One jitted gradient step: (state, batch) -> (new state, metrics)."""
+    """One jitted gradient step: (state, batch) -> (new state, metrics).
+
+    A step whose loss or gradient is not finite changes nothing (the state
+    comes back as it went in) and says so in `metrics["finite"]`: one NaN
+    applied would spoil the parameters for good.
+    """
 
     def update(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, apply_fn, batch, settings)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        return TrainState(params, opt_state, state.updates + 1), metrics
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        metrics["grad_norm"] = grad_norm
+        metrics["finite"] = finite
+        stepped = TrainState(params, opt_state, state.updates + 1)
+        kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), stepped, state)
+        return kept, metrics
 
     return jax.jit(update)
 

@@ -1,0 +1,353 @@
+"""Faults with real processes: resume from checkpoints, learners killed, actors killed.
+
+Short by default (CI). SEEDRL_FAULTS_LONG=1 runs the long forms the
+acceptance figures come from: an actor killed every 10 s for 5 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+
+import jax
+import numpy as np
+
+from learner import checkpoint
+from tests.fleet import (
+    ROOT,
+    LearnerThread,
+    free_port,
+    learner_config,
+    processes_matching,
+    spawn_actor,
+    wait_until,
+)
+from tests.test_integration import Collector, check_unroll
+from tests.test_learning import read_metrics
+
+LONG = bool(os.environ.get("SEEDRL_FAULTS_LONG"))
+CARTPOLE = "classic:CartPole-v1"
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+# -- resume ------------------------------------------------------------------
+
+
+def test_a_restarted_learner_resumes_its_checkpoint(tmp_path):
+    config = learner_config(
+        CARTPOLE, tmp_path / "run", port=free_port(), checkpoint_interval_s=3600
+    )
+    first = LearnerThread(config).start()
+    actor = spawn_actor(first.address, CARTPOLE, 8, "a", tmp_path / "actors")
+    try:
+        wait_until(lambda: first.learner.stats.updates >= 20, 120, "20 updates")
+        first.stop()  # a clean stop writes a checkpoint
+        assert first.wait(60) == 0
+        saved = first.learner.trainer.state
+        counters = first.learner.stats.counters()
+        key = jax.random.key_data(first.learner.inference.rng_key)
+
+        second = LearnerThread(config).start()
+        learner = second.learner
+        assert learner.resumed_from == int(saved.updates)
+        assert learner.stats.counters()["env_steps"] == counters["env_steps"]
+        assert learner.stats.counters()["updates"] == int(saved.updates)
+        assert learner.parameters.latest()[1] == int(saved.updates)
+        for got, want in zip(leaves(learner.trainer.state), leaves(saved), strict=True):
+            np.testing.assert_array_equal(got, want)
+        # Sampling continues from the saved key, not from the seed's.
+        assert np.array_equal(np.asarray(jax.random.key_data(learner._policy_key)), key)
+        # The actor finds the new learner by itself and training goes on from there.
+        wait_until(lambda: learner.stats.updates >= int(saved.updates) + 10, 120, "more updates")
+        second.stop()
+        assert second.wait(60) == 0
+    finally:
+        actor.kill()
+    records = read_metrics(tmp_path)
+    # No record counted the restored steps as new: fps stays physical across the restart.
+    assert all((r["fps"] or 0) < 1e6 for r in records)
+
+
+def test_init_checkpoint_starts_a_new_run_from_saved_parameters(tmp_path):
+    config = learner_config(CARTPOLE, tmp_path / "old", checkpoint_interval_s=3600)
+    old = LearnerThread(config).start()
+    actor = spawn_actor(old.address, CARTPOLE, 8, "a", tmp_path / "actors")
+    try:
+        wait_until(lambda: old.learner.stats.updates >= 10, 120, "10 updates")
+        old.stop()
+        assert old.wait(60) == 0
+    finally:
+        actor.kill()
+    (updates,) = checkpoint.available(str(tmp_path / "old"))
+    fresh = learner_config(
+        CARTPOLE,
+        tmp_path / "new",
+        init_checkpoint=str(tmp_path / "old" / "checkpoints" / str(updates)),
+    )
+    from learner.learner import Learner
+
+    learner = Learner(fresh)
+    assert learner.resumed_from is None
+    assert learner.stats.counters()["env_steps"] == 0 and int(learner.trainer.state.updates) == 0
+    for got, want in zip(
+        leaves(learner.trainer.state.params), leaves(old.learner.trainer.state.params), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_missing_init_checkpoint_is_refused(tmp_path):
+    result = subprocess.run(
+        [
+            str(ROOT / ".venv" / "bin" / "seedrl-learner"),
+            "--env",
+            CARTPOLE,
+            "--port",
+            "0",
+            "--http-port",
+            "-1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--init-checkpoint",
+            str(tmp_path / "nothing"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "--init-checkpoint: no complete checkpoint under" in result.stderr
+
+
+# -- the learner killed --------------------------------------------------------
+
+
+class CliLearner:
+    """seedrl-learner as users run it, on a fixed port and run directory."""
+
+    def __init__(self, tmp_path, port: int, index: int, *flags: str):
+        self.log_path = tmp_path / f"learner-{index}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
+        self.process = subprocess.Popen(
+            [
+                str(ROOT / ".venv" / "bin" / "seedrl-learner"),
+                "--env",
+                CARTPOLE,
+                "--port",
+                str(port),
+                "--http-port",
+                "-1",
+                "--bind-address",
+                "127.0.0.1",
+                "--run-dir",
+                str(tmp_path / "run"),
+                *flags,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self._log.close()
+
+
+def _stamp(line: str) -> float:
+    clock = time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")
+    return time.mktime(clock) + int(line[20:23]) / 1000
+
+
+def serving_to_connected_s(log: str, actors: int) -> float:
+    """Seconds from 'serving' to the last of `actors` actors connecting, from log times."""
+    lines = log.splitlines()
+    serving = next(_stamp(line) for line in lines if " serving " in line)
+    connected = [_stamp(line) for line in lines if re.search(r"actor \S+ run \S+ connected", line)]
+    assert len(connected) >= actors, log[-3000:]
+    return sorted(connected)[actors - 1] - serving
+
+
+def test_learner_killed_ten_times_resumes_every_time_and_still_solves_cartpole(tmp_path):
+    port = free_port()
+    flags = ("--checkpoint-interval-s", "1", "--stop-at-return", "475")
+    kills = 10
+    resumed: list[tuple[int, int]] = []  # (updates, env steps) each restart resumed from
+    reconnect_s: list[float] = []
+    # The actors' default backoff, as users run them; few envs, so that CartPole takes
+    # long enough to learn for ten kills to land before it is solved.
+    backoff = ("--backoff-initial-s", "0.5", "--backoff-max-s", "8")
+    actors = []
+    learner = None
+    run_dir = str(tmp_path / "run")
+    newest = 0
+    rng = random.Random(1)
+    try:
+        for index in range(kills + 1):
+            learner = CliLearner(tmp_path, port, index, *flags)
+            log = learner.log
+            wait_until(lambda log=log: " serving " in log(), 300, "the learner to serve")
+            if index:
+                match = re.search(r"from its checkpoint of update (\d+) \((\d+) env steps\)", log())
+                assert match, log()[-3000:]
+                resumed.append((int(match[1]), int(match[2])))
+                # The newest complete checkpoint when the last learner died, exactly.
+                assert resumed[-1][0] == newest, (resumed[-1], newest)
+            else:
+                actors = [
+                    spawn_actor(
+                        f"127.0.0.1:{port}", CARTPOLE, 4, f"cp-{i}", tmp_path / "actors", *backoff
+                    )
+                    for i in range(2)
+                ]
+            wait_until(
+                lambda log=log: len(re.findall(r"actor \S+ run \S+ connected", log())) >= 2,
+                30,
+                "both actors to reconnect",
+            )
+            reconnect_s.append(serving_to_connected_s(log(), 2))
+            if index == kills:
+                break
+            # Train a random stretch (10-80 updates) past the resumed point, up to a
+            # complete checkpoint, then kill: the kills land all through the run.
+            target = max(checkpoint.available(run_dir), default=0) + rng.randrange(10, 80)
+            wait_until(
+                lambda target=target: max(checkpoint.available(run_dir), default=0) >= target,
+                120,
+                f"a complete checkpoint of update {target} or later",
+            )
+            assert learner.process.poll() is None, f"run {index} ended before its kill"
+            learner.kill()
+            # Whatever the kill interrupted, every listed checkpoint loads.
+            listed = checkpoint.available(run_dir)
+            for updates in listed:
+                checkpoint.load_params(run_dir, example_params(), updates)
+            newest = listed[-1]
+        code = learner.process.wait(timeout=900)
+        assert code == 0, learner.log()[-3000:]
+    finally:
+        if learner is not None:
+            learner.kill()
+        for actor in actors:
+            actor.kill()
+    steps = [env_steps for _, env_steps in resumed]
+    print(
+        f"\n{kills} SIGKILLs: resumed from updates {[u for u, _ in resumed]}, env steps {steps}; "
+        f"actors reconnected {min(reconnect_s):.1f}-{max(reconnect_s):.1f} s after serving"
+    )
+    assert len(resumed) == kills and all(updates > 0 for updates, _ in resumed)
+    assert steps == sorted(steps), "env step counters went backwards"
+    assert max(reconnect_s) <= 10.0, reconnect_s
+    final = [r for r in read_metrics(tmp_path) if r["episode_return_mean"] is not None]
+    assert final[-1]["episode_return_mean"] >= 475
+
+
+def checkpoint_lines(log: str) -> list[str]:
+    return re.findall(r"checkpoint of update \d+ being written", log)
+
+
+def example_params():
+    """CartPole's network parameters, as the preset builds them (for loading)."""
+    from envs import registry
+    from learner.config import preset_for
+    from learner.networks import make_network
+
+    config = preset_for(CARTPOLE)
+    spec = registry.spec(CARTPOLE)
+    network = make_network(config.network, spec.action.num_actions, config.mlp_hidden_sizes)
+    return network.init(jax.random.key(0), np.zeros((1, *spec.observation.shape), np.float32))
+
+
+# -- actors killed ---------------------------------------------------------------
+
+
+def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
+    """scripts/launch_actors.sh keeps 4 actors up while one is SIGKILLed every period."""
+    period_s, duration_s = (10.0, 300.0) if LONG else (5.0, 30.0)
+    env = "counting:v0"
+    config = learner_config(env, tmp_path / "run", unroll_length=5, unroll_queue_size=256)
+    fleet = LearnerThread(config, train=False).start()
+    prefix = f"chaos{os.getpid()}"
+    launcher = subprocess.Popen(
+        [
+            str(ROOT / "scripts" / "launch_actors.sh"),
+            "--learner",
+            fleet.address,
+            "--num-actors",
+            "4",
+            "--env",
+            env,
+            "--num-envs",
+            "4",
+            "--actor-prefix",
+            prefix,
+            "--log-dir",
+            str(tmp_path / "actors"),
+        ],
+        stdout=open(tmp_path / "launch.log", "w"),  # noqa: SIM115 - the child owns it
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    collector = Collector(fleet)
+    learner = fleet.learner
+    rng = random.Random(0)
+    recoveries: list[float] = []
+    ratios: list[float] = []
+    try:
+        collector.drain_until(lambda: learner.stats.connected_actors == 4, 120, "4 actors")
+        started = time.monotonic()
+        for kill in range(int(duration_s / period_s)):
+            at = started + kill * period_s
+            collector.drain_until(
+                lambda at=at: time.monotonic() >= at, period_s + 30, "the next kill"
+            )
+            before = rate(collector, learner, 2.0)
+            victim = f"{prefix}-{rng.randrange(4)}"
+            runs = {s.run_id for s in learner.service.streams.values() if s.actor_id == victim}
+            (pid,) = [s.pid for s in learner.service.streams.values() if s.actor_id == victim]
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+
+            def replaced(victim: str = victim, runs: set = runs) -> bool:
+                return any(
+                    s.actor_id == victim and s.run_id not in runs and s.steps > 0
+                    for s in list(learner.service.streams.values())
+                )
+
+            collector.drain_until(replaced, 30, f"{victim} to be restarted and served")
+            recoveries.append(time.monotonic() - killed)
+            ratios.append(rate(collector, learner, 2.0) / before)
+        assert fleet.wait(0) is None and fleet.exit_code is None, "the learner stopped"
+    finally:
+        os.killpg(launcher.pid, signal.SIGTERM)
+        launcher.wait(timeout=60)
+        fleet.stop()
+    for _, _, unroll in collector.unrolls:
+        check_unroll(unroll)  # one env of one run, consecutive steps: nothing mixed
+    print(
+        f"\n{len(recoveries)} actors killed: replacement served after "
+        f"{min(recoveries):.1f}-{max(recoveries):.1f} s; throughput after / before "
+        f"{min(ratios):.2f}-{max(ratios):.2f}; {len(collector.unrolls)} unrolls checked"
+    )
+    assert max(recoveries) <= 5.0, recoveries
+    assert min(ratios) >= 0.75, ratios
+    assert not processes_matching(prefix)
+
+
+def rate(collector: Collector, learner, seconds: float) -> float:
+    """Env steps per second served over the next `seconds` (unrolls drained meanwhile)."""
+    steps = learner.stats.counters()["env_steps"]
+    until = time.monotonic() + seconds
+    collector.drain_until(lambda: time.monotonic() >= until, seconds + 5, "a rate window")
+    return (learner.stats.counters()["env_steps"] - steps) / seconds
