@@ -28,6 +28,7 @@ import grpc.aio
 
 from envs import registry
 from envs.base import VectorEnv
+from seedrl import security
 from seedrl.codec import StepCodec, WireError
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION
@@ -81,6 +82,17 @@ class ActorConfig:
     """Exit (code 3) after this long without a learner; 0: retry forever."""
     log_interval_s: float = 30.0
     """Seconds between progress lines."""
+    auth_token: str = dataclasses.field(default="", repr=False)
+    """The learner's shared token; empty: SEEDRL_AUTH_TOKEN from the environment, or none."""
+    tls_ca: str = ""
+    """PEM CA that signed the learner's certificate: connects with TLS when set."""
+    tls_cert: str = ""
+    """PEM client certificate, for a learner that requires one (with --tls-key)."""
+    tls_key: str = ""
+    """PEM private key of --tls-cert."""
+    tls_server_name: str = ""
+    """Name to verify the learner's certificate against, when --learner is an address
+    the certificate does not name."""
 
     def __post_init__(self) -> None:
         parse_address(self.learner)
@@ -95,6 +107,8 @@ class ActorConfig:
             raise ValueError("backoff needs 0 < backoff_initial_s <= backoff_max_s")
         if self.give_up_after_s < 0:
             raise ValueError("give_up_after_s must not be negative (0: never)")
+        if (self.tls_cert or self.tls_key or self.tls_server_name) and not self.tls_ca:
+            raise ValueError("--tls-cert, --tls-key and --tls-server-name need --tls-ca")
 
     def resolved_actor_id(self) -> str:
         return self.actor_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -156,6 +170,7 @@ class Actor:
         self.run_id = ""
         self.env_steps = 0
         self.connections = 0
+        self._token = security.resolve_token(config.auth_token)
 
     def _env_options(self) -> dict:
         family, _ = registry.split_env_id(self.config.env)
@@ -215,10 +230,21 @@ class Actor:
             )
             await asyncio.sleep(delay)
 
+    def _channel(self) -> grpc.aio.Channel:
+        config = self.config
+        options = channel_options()
+        if not config.tls_ca:
+            return grpc.aio.insecure_channel(config.learner, options=options)
+        if config.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+        credentials = security.channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+        return grpc.aio.secure_channel(config.learner, credentials, options=options)
+
     async def _run_once(self, on_welcome) -> None:
         config = self.config
-        async with grpc.aio.insecure_channel(config.learner, options=channel_options()) as channel:
-            calls = [channel.stream_stream(STREAM_PATH)() for _ in self.groups]
+        metadata = security.call_metadata(self._token)
+        async with self._channel() as channel:
+            calls = [channel.stream_stream(STREAM_PATH)(metadata=metadata) for _ in self.groups]
             for group, call in zip(self.groups, calls, strict=True):
                 await call.write(self._hello(group))
             for call in calls:

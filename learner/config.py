@@ -102,6 +102,23 @@ class LearnerConfig:
     max_envs_per_actor: int = 256
     """Largest K an actor may bring (and at most inference_batch_size)."""
 
+    # -- security ------------------------------------------------------------
+    auth_token: str = dataclasses.field(default="", repr=False)
+    """Shared token every actor must send; empty: SEEDRL_AUTH_TOKEN from the environment,
+    or none. Never logged nor written to the run directory."""
+    tls_cert: str = ""
+    """PEM certificate of the learner: with --tls-key, actors must connect with TLS."""
+    tls_key: str = ""
+    """PEM private key of --tls-cert."""
+    tls_client_ca: str = ""
+    """PEM CA: when set, actors must present a client certificate it signed."""
+    max_message_mb: float = 64.0
+    """Largest message accepted from an actor, in MiB; larger ones end their stream with
+    RESOURCE_EXHAUSTED before the learner buffers them."""
+    stream_idle_timeout_s: float = 300.0
+    """A stream that sends nothing for this long after its last reply is ended
+    (DEADLINE_EXCEEDED) and its env slots freed."""
+
     # -- telemetry and checkpoints --------------------------------------------
     http_port: int = 8471
     """HTTP port of the live fleet page (/) and Prometheus metrics (/metrics); 0: any free
@@ -163,6 +180,22 @@ class LearnerConfig:
         require(self.checkpoint_interval_s > 0, "checkpoint_interval_s must be positive")
         require(self.checkpoints_to_keep >= 1, "checkpoints_to_keep must be at least 1")
         require(self.max_nonfinite_updates >= 1, "max_nonfinite_updates must be at least 1")
+        require(
+            bool(self.tls_cert) == bool(self.tls_key),
+            "--tls-cert and --tls-key go together",
+        )
+        require(
+            not self.tls_client_ca or bool(self.tls_cert),
+            "--tls-client-ca needs TLS (--tls-cert and --tls-key)",
+        )
+        require(self.stream_idle_timeout_s > 0, "stream_idle_timeout_s must be positive")
+        require(self.max_message_mb > 0, "max_message_mb must be positive")
+
+    def public(self) -> dict:
+        """The configuration as config.json keeps it: the token's value withheld."""
+        settings = dataclasses.asdict(self)
+        settings["auth_token"] = "<set>" if self.auth_token else ""
+        return settings
 
     @property
     def inference_timeout_s(self) -> float:

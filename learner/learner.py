@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from learner.stats import RETURN_WINDOW, LearnerStats
 from learner.telemetry import Telemetry
 from learner.trainer import Trainer
 from learner.unroll_store import UnrollStore
+from seedrl import security
 from seedrl.specs import EnvSpec
 from seedrl.transport import server_options
 
@@ -139,6 +139,8 @@ class Learner:
             stats=self.stats,
             max_envs=config.max_envs_per_stream,
             hello_timeout_s=config.hello_timeout_s,
+            auth_token=security.resolve_token(config.auth_token),
+            idle_timeout_s=config.stream_idle_timeout_s,
         )
         self.inference = InferenceLoop(
             policy_fn=policy_fn or learning.make_policy_fn(network.apply),
@@ -246,11 +248,20 @@ class Learner:
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self.service.bind_loop(self._loop)
-        server = grpc.aio.server(options=server_options())
+        server = grpc.aio.server(options=server_options(int(config.max_message_mb * 1024 * 1024)))
         server.add_generic_rpc_handlers((self.service.handlers(),))
         address = f"{config.bind_address}:{config.port}"
         try:
-            self.port = server.add_insecure_port(address)
+            if config.tls_cert:
+                credentials = security.server_credentials(
+                    config.tls_cert, config.tls_key, config.tls_client_ca
+                )
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except ValueError as error:  # an unreadable certificate or key
+            logger.error("TLS: %s", error)
+            return 2
         except RuntimeError:
             logger.error("cannot listen on %s: is another learner using that port?", address)
             return 2
@@ -267,7 +278,7 @@ class Learner:
             )
             return 2
         with open(os.path.join(self.run_dir, "config.json"), "w") as file:
-            json.dump(dataclasses.asdict(config), file, indent=2)
+            json.dump(config.public(), file, indent=2)
         metrics = MetricsLogger(
             os.path.join(self.run_dir, "metrics.jsonl"),
             self.stats,
@@ -283,12 +294,20 @@ class Learner:
         if train:
             self.trainer.start()
         await server.start()
+        watchdog = asyncio.create_task(self.service.watch_idle())
         logger.info(
             "learner %s serving %s on port %d; run dir %s",
             self.service.learner_id,
             config.env,
             self.port,
             self.run_dir,
+        )
+        logger.info(
+            "actors must connect with %s and %s",
+            "TLS" + (" and a client certificate" if config.tls_client_ca else "")
+            if config.tls_cert
+            else "plain TCP (no TLS)",
+            "the shared token" if self.service.requires_token else "no token",
         )
         if self.telemetry.url:
             logger.info(
@@ -315,6 +334,7 @@ class Learner:
                     logger.info("%s: training finished", reason)
                     break
         finally:
+            watchdog.cancel()
             await self._shutdown(server, finished)
             self._log(metrics)
             metrics.close()

@@ -26,6 +26,7 @@ from learner.batcher import DynamicBatcher, InferenceRequest
 from learner.inference import STOPPED, ParameterSource
 from learner.stats import LearnerStats
 from learner.unroll_store import UnrollStore
+from seedrl import security
 from seedrl.codec import StepCodec, WireError
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION, ActionSpec, EnvSpec, SpecError, TensorSpec
@@ -126,6 +127,11 @@ class ActorStream:
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     """time.monotonic() of its latest message."""
+    replied_at: float = 0.0
+    """time.monotonic() of the learner's latest reply: after it, the actor owes a step."""
+    task: asyncio.Task | None = None
+    idle: bool = False
+    """Set by the idle watchdog before it cancels the stream's task."""
 
 
 class LearnerService:
@@ -140,8 +146,14 @@ class LearnerService:
         stats: LearnerStats,
         max_envs: int,
         hello_timeout_s: float,
+        auth_token: str = "",
+        idle_timeout_s: float = 300.0,
     ):
+        """`auth_token`: streams must carry it (see seedrl.security); "" lets all in.
+        `idle_timeout_s`: a stream owing its next step for this long is ended."""
         self.env_spec = env_spec
+        self._token = auth_token
+        self._idle_timeout_s = idle_timeout_s
         self.learner_id = uuid.uuid4().hex[:12]
         self._store = store
         self._batcher = batcher
@@ -157,6 +169,23 @@ class LearnerService:
         self.history: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
         self.finished = False
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def requires_token(self) -> bool:
+        return bool(self._token)
+
+    async def watch_idle(self) -> None:
+        """Ends streams that owe a step for longer than the idle timeout (runs forever)."""
+        period = min(5.0, self._idle_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = monotonic()
+            for actor in list(self.streams.values()):
+                owes_step = actor.replied_at > actor.last_seen
+                if owes_step and now - actor.replied_at > self._idle_timeout_s and not actor.idle:
+                    actor.idle = True
+                    if actor.task is not None:
+                        actor.task.cancel()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         # No (de)serialisers: the handler gets and returns raw bytes.
@@ -190,22 +219,47 @@ class LearnerService:
         del request_iterator  # read through the context, which can time out
         actor: ActorStream | None = None
         try:
+            if not security.token_matches(context.invocation_metadata(), self._token):
+                # Before anything is read: a stranger learns nothing but this.
+                raise StreamRefused(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "missing or wrong auth token (the learner's --auth-token or "
+                    f"{security.TOKEN_ENV}, sent as 'authorization: Bearer TOKEN')",
+                )
             actor = await self._accept(context)
             if actor is None:
                 self._end_of_service()
                 return
+            actor.task = asyncio.current_task()
             await context.write(self._welcome())
             await self._serve(actor, context)
+        except asyncio.CancelledError:
+            if actor is None or not actor.idle:
+                raise  # the server is stopping
+            refusal = StreamRefused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no step for {self._idle_timeout_s:g} s after the learner's last reply",
+            )
+            self._refused(refusal, actor, context)
+            await context.abort(refusal.code, str(refusal))
         except StreamRefused as refusal:
-            if actor is None and not self.stopping:
-                self._stats.count_rejection()
-            who = f"actor {actor.actor_id} run {actor.run_id}" if actor else context.peer()
-            log = logger.info if refusal.code == grpc.StatusCode.UNAVAILABLE else logger.warning
-            log("stream of %s ended: %s: %s", who, refusal.code.name, refusal)
+            self._refused(refusal, actor, context)
             await context.abort(refusal.code, str(refusal))
         finally:
             if actor is not None:
                 self._disconnect(actor)
+
+    def _refused(
+        self, refusal: StreamRefused, actor: ActorStream | None, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Counts and logs a stream's end by refusal (not the learner's own stopping)."""
+        if refusal.code != grpc.StatusCode.UNAVAILABLE:
+            self._stats.count_stream_error(refusal.code.name)
+            if actor is None:
+                self._stats.count_rejection()
+        who = f"actor {actor.actor_id} run {actor.run_id}" if actor else context.peer()
+        log = logger.info if refusal.code == grpc.StatusCode.UNAVAILABLE else logger.warning
+        log("stream of %s ended: %s: %s", who, refusal.code.name, refusal)
 
     async def _accept(self, context: grpc.aio.ServicerContext) -> ActorStream | None:
         """Reads and checks the hello and registers the stream; None when stopping.
@@ -306,6 +360,7 @@ class LearnerService:
                 )
             actor.steps += 1
             await context.write(result)
+            actor.replied_at = monotonic()
 
     @staticmethod
     def _step_of(raw: bytes, actor: ActorStream) -> seedrl_pb2.Step:

@@ -43,6 +43,7 @@ class LearnerStats:
         self.connected_envs = 0
         self.rejected_streams = 0
         self.skipped_updates = 0
+        self.stream_errors: collections.Counter[str] = collections.Counter()
         self._returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
         self._clipped_returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
         self._lengths: collections.deque[int] = collections.deque(maxlen=RETURN_WINDOW)
@@ -93,6 +94,15 @@ class LearnerStats:
     def count_rejection(self) -> None:
         with self._lock:
             self.rejected_streams += 1
+
+    def count_stream_error(self, code: str) -> None:
+        """A stream ended by the learner for a fault, by gRPC status code name."""
+        with self._lock:
+            self.stream_errors[code] += 1
+
+    def stream_error_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.stream_errors)
 
     def count_skipped_update(self) -> None:
         with self._lock:

@@ -237,6 +237,14 @@ class _Collector:
             ("seedrl_uptime_seconds", "Seconds since the learner started.", telemetry.uptime_s()),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
+        errors = CounterMetricFamily(
+            "seedrl_stream_errors",
+            "Actor streams the learner ended for a fault, by gRPC status code.",
+            labels=["code"],
+        )
+        for code, count in sorted(telemetry.stats.stream_error_counts().items()):
+            errors.add_metric([code], count)
+        yield errors
         yield CounterMetricFamily(
             "seedrl_telemetry_cpu_seconds",
             "CPU time spent on TensorBoard, the fleet page and these metrics.",

@@ -8,8 +8,10 @@
 # Actor i is named NAME-i (default: this host's name), so a restarted actor
 # keeps its name and the learner sees a new run of the same actor. An actor
 # that exits 0 (training finished) or 2 (refused by the learner: wrong env or
-# spec) is not restarted; any other exit is restarted after a backoff that
-# doubles up to 30 s (reset once an actor has run 60 s). Ctrl-C or SIGTERM
+# spec) is not restarted; any other exit is restarted after a backoff of 1 s
+# that doubles, up to 30 s, only while the actor keeps dying within 10 s of
+# its start (a crash loop); one killed after working (preempted, OOM) comes
+# back after 1 s. Ctrl-C or SIGTERM
 # stops every actor. Exits 0 when all actors finished, 2 if any was refused.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -94,8 +96,8 @@ while [ ${#pid_of[@]} -gt 0 ]; do
     0) finished=$((finished + 1)); continue ;;
     2) refused=$((refused + 1)); echo "launch_actors: actor $prefix-$i was refused by the learner; not restarting" >&2; continue ;;
   esac
-  # Reset the backoff of an actor that had been running well.
-  (( SECONDS - started_at[$i] < 60 )) || backoff[$i]=1
+  # An actor that had been working is restarted at once; a crash loop backs off.
+  (( SECONDS - started_at[$i] < 10 )) || backoff[$i]=1
   echo "launch_actors: actor $prefix-$i exited with $status; restarting in ${backoff[$i]} s" >&2
   sleep "${backoff[$i]}" &
   sleep_pid=$!

@@ -6,7 +6,9 @@ training on the same learner; afterwards that actor must still be served.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import queue
 import threading
 
 import grpc
@@ -149,9 +151,12 @@ def test_a_malformed_stream_is_ended_with_a_named_fault(served, case):
     messages, code, text = CASES[case]
     stats = served.learner.stats
     steps_before = stats.env_steps
+    counted_before = stats.stream_error_counts().get(code.name, 0)
     error = send_raw(served.address, messages)
     assert error.code() == code, error.details()
     assert text in error.details()
+    # Counted in the metrics under its status code.
+    assert stats.stream_error_counts()[code.name] == counted_before + 1
     # The honest actor is still served, and the learner still trains.
     updates_before = stats.updates
     wait_until(lambda: stats.env_steps > steps_before + 50, 30, "the honest actor to go on")
@@ -195,3 +200,68 @@ def test_a_hello_after_training_finished_ends_with_ok(tmp_path):
         assert fleet.learner.stats.rejected_streams == 0
     finally:
         fleet.stop()
+
+
+def test_a_stream_that_goes_silent_after_a_reply_is_ended(served_small_timeout):
+    fleet = served_small_timeout
+    blocker = threading.Event()
+
+    def one_step_then_silence():
+        yield hello()
+        yield step()
+        blocker.wait(30)  # holds the stream open, owing its next step
+
+    with grpc.insecure_channel(fleet.address) as channel:
+        call = channel.stream_stream(STREAM_PATH)(one_step_then_silence(), timeout=60)
+        replies = []
+        with pytest.raises(grpc.RpcError) as caught:
+            for reply in call:
+                replies.append(reply)
+        blocker.set()
+    assert len(replies) == 2  # the welcome and the first actions
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "no step for 1 s after the learner's last reply" in caught.value.details()
+    stats = fleet.learner.stats
+    assert stats.stream_error_counts()["DEADLINE_EXCEEDED"] == 1
+    # Its slots are freed (just after the status left); the honest actor is served on.
+    wait_until(
+        lambda: [s.actor_id for s in fleet.learner.service.streams.values()] == ["honest"],
+        10,
+        "the silent stream to be released",
+    )
+    steps = stats.env_steps
+    wait_until(lambda: stats.env_steps > steps + 50, 30, "the honest actor to go on")
+
+
+def test_an_oversized_message_is_refused_before_it_is_buffered(served_small_timeout):
+    fleet = served_small_timeout
+    oversized = step(observations=b"\0" * 200_000)  # the limit here is 0.1 MiB
+    error = send_raw(fleet.address, [hello(), oversized])
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert "larger than max" in error.details()
+    stats = fleet.learner.stats
+    steps = stats.env_steps
+    wait_until(lambda: stats.env_steps > steps + 50, 30, "the honest actor to go on")
+
+
+@pytest.fixture
+def served_small_timeout(tmp_path):
+    """A learner with a 1 s idle timeout and a 0.1 MiB message limit, one honest actor."""
+    config = learner_config(ENV, tmp_path / "run", stream_idle_timeout_s=1.0, max_message_mb=0.1)
+    fleet = LearnerThread(config, train=False).start()
+    drain = threading.Event()
+
+    def drain_unrolls():
+        while not drain.is_set():
+            with contextlib.suppress(queue.Empty):
+                fleet.learner.unrolls.get(timeout=0.1)
+
+    drainer = threading.Thread(target=drain_unrolls)
+    drainer.start()
+    actor = spawn_actor(fleet.address, ENV, 2, "honest", tmp_path / "actors")
+    wait_until(lambda: fleet.learner.stats.env_steps > 100, 60, "the honest actor to be served")
+    yield fleet
+    actor.kill()
+    fleet.stop()
+    drain.set()
+    drainer.join()

@@ -312,10 +312,13 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
             collector.drain_until(
                 lambda at=at: time.monotonic() >= at, period_s + 30, "the next kill"
             )
+            # The whole fleet is up before each kill (a replacement may still be starting).
+            collector.drain_until(lambda: learner.stats.connected_actors == 4, 60, "4 actors")
             before = rate(collector, learner, 2.0)
-            victim = f"{prefix}-{rng.randrange(4)}"
-            runs = {s.run_id for s in learner.service.streams.values() if s.actor_id == victim}
-            (pid,) = [s.pid for s in learner.service.streams.values() if s.actor_id == victim]
+            streams = list(learner.service.streams.values())
+            victim = rng.choice(sorted(s.actor_id for s in streams))
+            runs = {s.run_id for s in streams if s.actor_id == victim}
+            (pid,) = {s.pid for s in streams if s.actor_id == victim}
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
 
@@ -325,7 +328,14 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
                     for s in list(learner.service.streams.values())
                 )
 
-            collector.drain_until(replaced, 30, f"{victim} to be restarted and served")
+            try:
+                collector.drain_until(replaced, 30, f"{victim} to be restarted and served")
+            except AssertionError as error:
+                table = [
+                    (s.actor_id, s.run_id, s.pid, s.steps, round(time.monotonic() - s.last_seen, 1))
+                    for s in list(learner.service.streams.values())
+                ]
+                raise AssertionError(f"{error}; killed pid {pid} of runs {runs}; {table}") from None
             recoveries.append(time.monotonic() - killed)
             ratios.append(rate(collector, learner, 2.0) / before)
         assert fleet.wait(0) is None and fleet.exit_code is None, "the learner stopped"
