@@ -276,7 +276,9 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
     """scripts/launch_actors.sh keeps 4 actors up while one is SIGKILLed every period."""
     period_s, duration_s = (10.0, 300.0) if LONG else (5.0, 30.0)
     env = "counting:v0"
-    config = learner_config(env, tmp_path / "run", unroll_length=5, unroll_queue_size=256)
+    config = learner_config(
+        env, tmp_path / "run", unroll_length=5, unroll_queue_size=256, total_env_steps=10**12
+    )
     fleet = LearnerThread(config, train=False).start()
     prefix = f"chaos{os.getpid()}"
     launcher = subprocess.Popen(
@@ -361,3 +363,21 @@ def rate(collector: Collector, learner, seconds: float) -> float:
     until = time.monotonic() + seconds
     collector.drain_until(lambda: time.monotonic() >= until, seconds + 5, "a rate window")
     return (learner.stats.counters()["env_steps"] - steps) / seconds
+
+
+# -- many streams ----------------------------------------------------------------
+
+
+def test_a_thousand_concurrent_streams_all_make_progress(tmp_path):
+    """1,024 streams from client processes held by one learner (the benchmark's client)."""
+    from bench import serving
+
+    serving.raise_open_file_limit()
+    streams = 4096 if LONG else 1024
+    row = serving.measure(streams, 1, warmup_s=2.0, duration_s=5.0, run_dir=str(tmp_path))
+    print(
+        f"\n{streams} streams: {row['streams_progressing']} progressing, "
+        f"{row['actor_steps_per_s']:.0f} steps/s, p99 {row['latency_p99_ms']:.0f} ms, "
+        f"connected in {row['connect_s']:.1f} s"
+    )
+    assert row["streams_progressing"] == streams
