@@ -381,3 +381,53 @@ def test_a_thousand_concurrent_streams_all_make_progress(tmp_path):
         f"connected in {row['connect_s']:.1f} s"
     )
     assert row["streams_progressing"] == streams
+
+
+# -- non-finite losses -------------------------------------------------------------
+
+
+def test_a_diverging_run_stops_with_its_last_good_state_checkpointed(tmp_path):
+    """A learning rate of 1e38 makes the parameters overflow after one update: every
+    later loss is NaN, each is skipped, and the third in a row stops the learner."""
+    log = tmp_path / "learner.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [
+                str(ROOT / ".venv" / "bin" / "seedrl-learner"),
+                "--env",
+                CARTPOLE,
+                "--port",
+                "0",
+                "--http-port",
+                "-1",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--learning-rate",
+                "1e38",
+                "--no-learning-rate-decay",
+                "--max-nonfinite-updates",
+                "3",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        actor = None
+        try:
+            from tests.fleet import port_from_log
+
+            port = port_from_log(log, timeout_s=300)
+            actor = spawn_actor(f"127.0.0.1:{port}", CARTPOLE, 4, "a", tmp_path / "actors")
+            assert process.wait(timeout=300) == 1
+        finally:
+            process.kill()
+            if actor is not None:
+                actor.kill()
+    text = log.read_text()
+    assert text.count("skipped: loss nan") == 3, text[-3000:]
+    assert "3 updates in a row had a non-finite loss or gradient" in text
+    # The checkpoint holds the last state an update left finite.
+    (updates,) = checkpoint.available(str(tmp_path / "run"))
+    params, meta = checkpoint.load_params(str(tmp_path / "run"), example_params(), updates)
+    assert meta["updates"] == updates >= 1
+    assert all(np.isfinite(leaf).all() for leaf in leaves(params))
