@@ -54,6 +54,24 @@ def learner_config(env: str, run_dir: pathlib.Path, **overrides) -> LearnerConfi
     return dataclasses.replace(preset_for(env), **settings)
 
 
+def learner_argv(env: str, run_dir: pathlib.Path, *flags: str, port: int = 0) -> list[str]:
+    """seedrl-learner's command line as users type it, on loopback, with no HTTP port."""
+    return [
+        str(ROOT / ".venv" / "bin" / "seedrl-learner"),
+        "--env",
+        env,
+        "--port",
+        str(port),
+        "--http-port",
+        "-1",
+        "--bind-address",
+        "127.0.0.1",
+        "--run-dir",
+        str(run_dir),
+        *flags,
+    ]
+
+
 class ActorProcess:
     def __init__(self, args: Sequence[str], log_path: pathlib.Path):
         self.log_path = log_path

@@ -21,6 +21,7 @@ from tests.fleet import (
     ROOT,
     LearnerThread,
     free_port,
+    learner_argv,
     learner_config,
     processes_matching,
     spawn_actor,
@@ -104,19 +105,7 @@ def test_init_checkpoint_starts_a_new_run_from_saved_parameters(tmp_path):
 
 def test_a_missing_init_checkpoint_is_refused(tmp_path):
     result = subprocess.run(
-        [
-            str(ROOT / ".venv" / "bin" / "seedrl-learner"),
-            "--env",
-            CARTPOLE,
-            "--port",
-            "0",
-            "--http-port",
-            "-1",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--init-checkpoint",
-            str(tmp_path / "nothing"),
-        ],
+        learner_argv(CARTPOLE, tmp_path / "run", "--init-checkpoint", str(tmp_path / "nothing")),
         capture_output=True,
         text=True,
         timeout=300,
@@ -135,20 +124,7 @@ class CliLearner:
         self.log_path = tmp_path / f"learner-{index}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
         self.process = subprocess.Popen(
-            [
-                str(ROOT / ".venv" / "bin" / "seedrl-learner"),
-                "--env",
-                CARTPOLE,
-                "--port",
-                str(port),
-                "--http-port",
-                "-1",
-                "--bind-address",
-                "127.0.0.1",
-                "--run-dir",
-                str(tmp_path / "run"),
-                *flags,
-            ],
+            learner_argv(CARTPOLE, tmp_path / "run", *flags, port=port),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -392,22 +368,15 @@ def test_a_diverging_run_stops_with_its_last_good_state_checkpointed(tmp_path):
     log = tmp_path / "learner.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [
-                str(ROOT / ".venv" / "bin" / "seedrl-learner"),
-                "--env",
+            learner_argv(
                 CARTPOLE,
-                "--port",
-                "0",
-                "--http-port",
-                "-1",
-                "--run-dir",
-                str(tmp_path / "run"),
+                tmp_path / "run",
                 "--learning-rate",
                 "1e38",
                 "--no-learning-rate-decay",
                 "--max-nonfinite-updates",
                 "3",
-            ],
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

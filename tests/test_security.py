@@ -15,6 +15,7 @@ from seedrl.transport import STREAM_PATH
 from tests.fleet import (
     ROOT,
     LearnerThread,
+    learner_argv,
     learner_config,
     port_from_log,
     spawn_actor,
@@ -91,21 +92,7 @@ def test_the_token_is_never_logged_nor_saved(tmp_path):
     log = tmp_path / "learner.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [
-                str(ROOT / ".venv" / "bin" / "seedrl-learner"),
-                "--env",
-                ENV,
-                "--port",
-                "0",
-                "--http-port",
-                "-1",
-                "--run-dir",
-                str(tmp_path / "run"),
-                "--auth-token",
-                TOKEN,
-                "--total-env-steps",
-                "2000",
-            ],
+            learner_argv(ENV, tmp_path / "run", "--auth-token", TOKEN, "--total-env-steps", "2000"),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
