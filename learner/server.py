@@ -15,7 +15,6 @@ import itertools
 import logging
 import time
 import uuid
-from time import monotonic
 
 import grpc
 import grpc.aio
@@ -179,7 +178,7 @@ class LearnerService:
         period = min(5.0, self._idle_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            now = monotonic()
+            now = time.monotonic()
             for actor in list(self.streams.values()):
                 owes_step = actor.replied_at > actor.last_seen
                 if owes_step and now - actor.replied_at > self._idle_timeout_s and not actor.idle:
@@ -326,7 +325,7 @@ class LearnerService:
             raw = await context.read()
             if raw is grpc.aio.EOF:
                 return
-            actor.last_seen = monotonic()
+            actor.last_seen = time.monotonic()
             if self.stopping:
                 self._end_of_service()
                 return
@@ -360,7 +359,7 @@ class LearnerService:
                 )
             actor.steps += 1
             await context.write(result)
-            actor.replied_at = monotonic()
+            actor.replied_at = time.monotonic()
 
     @staticmethod
     def _step_of(raw: bytes, actor: ActorStream) -> seedrl_pb2.Step:

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -106,6 +107,7 @@ RECORD_GAUGES: tuple[tuple[str, str, str, float], ...] = (
 )
 
 HISTORY_POINTS = 2000  # chart points kept; halved (every other one) when full
+HISTORY_FIELDS = ("elapsed_s", "env_frames", "fps", "episode_return_mean")  # what the charts draw
 
 
 def _finite(value: Any) -> float | None:
@@ -384,12 +386,7 @@ class Telemetry:
 
     def _publish(self, record: dict[str, Any]) -> None:
         self.latest = record
-        point = {
-            "elapsed_s": record["elapsed_s"],
-            "env_frames": record["env_frames"],
-            "fps": record["fps"],
-            "episode_return_mean": record["episode_return_mean"],
-        }
+        point = {field: record[field] for field in HISTORY_FIELDS}
         with self._history_lock:
             self._history.append(point)
             if len(self._history) > HISTORY_POINTS:
@@ -412,10 +409,7 @@ class Telemetry:
             "time": time.time(),
             "uptime_s": round(self.uptime_s(), 1),
             "latest": self.latest,
-            "history": {
-                key: [point[key] for point in history]
-                for key in ("elapsed_s", "env_frames", "fps", "episode_return_mean")
-            },
+            "history": {field: [point[field] for point in history] for field in HISTORY_FIELDS},
             "actors": self.actors.rows(),
         }
 
@@ -432,9 +426,7 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class _IPv6Server(_Server):
-    import socket as _socket
-
-    address_family = _socket.AF_INET6
+    address_family = socket.AF_INET6
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -72,14 +72,14 @@ def learner_argv(env: str, run_dir: pathlib.Path, *flags: str, port: int = 0) ->
     ]
 
 
-class ActorProcess:
-    def __init__(self, args: Sequence[str], log_path: pathlib.Path):
+class LoggedProcess:
+    """A command of the project run from the repository root, its output in `log_path`."""
+
+    def __init__(self, argv: Sequence[str], log_path: pathlib.Path):
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait/kill
         self.process = subprocess.Popen(
-            [str(ROOT / ".venv" / "bin" / "seedrl-actor"), *args]
-            if (ROOT / ".venv" / "bin" / "seedrl-actor").exists()
-            else [sys.executable, "-m", "actors.main", *args],
+            list(argv),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -103,6 +103,13 @@ class ActorProcess:
         code = self.process.wait(timeout=timeout_s)
         self._log.close()
         return code
+
+
+class ActorProcess(LoggedProcess):
+    def __init__(self, args: Sequence[str], log_path: pathlib.Path):
+        actor = ROOT / ".venv" / "bin" / "seedrl-actor"
+        command = [str(actor)] if actor.exists() else [sys.executable, "-m", "actors.main"]
+        super().__init__([*command, *args], log_path)
 
 
 def spawn_actor(

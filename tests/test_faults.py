@@ -20,6 +20,7 @@ from learner import checkpoint
 from tests.fleet import (
     ROOT,
     LearnerThread,
+    LoggedProcess,
     free_port,
     learner_argv,
     learner_config,
@@ -117,28 +118,12 @@ def test_a_missing_init_checkpoint_is_refused(tmp_path):
 # -- the learner killed --------------------------------------------------------
 
 
-class CliLearner:
+class CliLearner(LoggedProcess):
     """seedrl-learner as users run it, on a fixed port and run directory."""
 
     def __init__(self, tmp_path, port: int, index: int, *flags: str):
-        self.log_path = tmp_path / f"learner-{index}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in wait/kill
-        self.process = subprocess.Popen(
-            learner_argv(CARTPOLE, tmp_path / "run", *flags, port=port),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-        self._log.close()
+        argv = learner_argv(CARTPOLE, tmp_path / "run", *flags, port=port)
+        super().__init__(argv, tmp_path / f"learner-{index}.log")
 
 
 def _stamp(line: str) -> float:

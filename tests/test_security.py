@@ -133,6 +133,15 @@ def tls_channel(address: str, certs, client: bool = False) -> grpc.Channel:
     return grpc.secure_channel(address, credentials)
 
 
+def assert_actor_served(learner: LearnerThread, tmp_path, *flags: str) -> None:
+    """A real actor process with `flags` gets 100 env steps served, then is killed."""
+    actor = spawn_actor(learner.address, ENV, 2, "tls", tmp_path / "actors", *flags)
+    try:
+        wait_until(lambda: learner.learner.stats.env_steps > 100, 60, "a TLS actor served")
+    finally:
+        actor.kill()
+
+
 def test_with_tls_a_plain_text_client_is_refused(tmp_path, certs):
     config = learner_config(
         ENV,
@@ -147,13 +156,7 @@ def test_with_tls_a_plain_text_client_is_refused(tmp_path, certs):
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
         with tls_channel(learner.address, certs) as channel:
             assert first_reply(channel).WhichOneof("message") == "welcome"
-        actor = spawn_actor(
-            learner.address, ENV, 2, "tls", tmp_path / "actors", "--tls-ca", str(certs / "ca.pem")
-        )
-        try:
-            wait_until(lambda: learner.learner.stats.env_steps > 100, 60, "a TLS actor served")
-        finally:
-            actor.kill()
+        assert_actor_served(learner, tmp_path, "--tls-ca", str(certs / "ca.pem"))
     finally:
         learner.stop()
 
@@ -173,12 +176,9 @@ def test_a_client_certificate_when_the_learner_asks_for_one(tmp_path, certs):
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
         with tls_channel(learner.address, certs, client=True) as channel:
             assert first_reply(channel).WhichOneof("message") == "welcome"
-        actor = spawn_actor(
-            learner.address,
-            ENV,
-            2,
-            "mtls",
-            tmp_path / "actors",
+        assert_actor_served(
+            learner,
+            tmp_path,
             "--tls-ca",
             str(certs / "ca.pem"),
             "--tls-cert",
@@ -186,10 +186,6 @@ def test_a_client_certificate_when_the_learner_asks_for_one(tmp_path, certs):
             "--tls-key",
             str(certs / "actor.key"),
         )
-        try:
-            wait_until(lambda: learner.learner.stats.env_steps > 100, 60, "an mTLS actor served")
-        finally:
-            actor.kill()
     finally:
         learner.stop()
 

@@ -104,20 +104,29 @@ def test_stop_returns_while_unrolls_keep_arriving():
         producer.join()
 
 
-def test_nonfinite_updates_are_skipped_then_stop_the_trainer():
+def train_batches(update_fn, batches, parameters, failures, until, what) -> Trainer:
+    """A trainer (3 non-finite updates in a row allowed) fed `batches` batches of 2, run
+    until `until()` holds, then stopped."""
     unrolls: queue.Queue = queue.Queue()
-    parameters = ParameterSource({"w": 0}, version=0)
-    failures: list = []
     trainer = make_trainer(
-        unrolls, parameters, failures, update_fn=nonfinite_update, max_nonfinite_updates=3
+        unrolls, parameters, failures, update_fn=update_fn, max_nonfinite_updates=3
     )
-    for index in range(2 * 3):
+    for index in range(2 * batches):
         unrolls.put(unroll(index))
     trainer.start()
     try:
-        wait_until(lambda: failures, 30, "the trainer to give up")
+        wait_until(until, 30, what)
     finally:
         trainer.stop()
+    return trainer
+
+
+def test_nonfinite_updates_are_skipped_then_stop_the_trainer():
+    parameters = ParameterSource({"w": 0}, version=0)
+    failures: list = []
+    trainer = train_batches(
+        nonfinite_update, 3, parameters, failures, lambda: failures, "the trainer to give up"
+    )
     (error,) = failures
     assert isinstance(error, NonFiniteLoss)
     assert "3 updates in a row had a non-finite loss" in str(error)
@@ -132,18 +141,15 @@ def test_a_finite_update_resets_the_count_of_skipped_ones():
     def flaky_update(state, batch):
         return nonfinite_update(state, batch) if not next(outcomes) else fake_update(state, batch)
 
-    unrolls: queue.Queue = queue.Queue()
     parameters = ParameterSource({"w": 0}, version=0)
     failures: list = []
-    trainer = make_trainer(
-        unrolls, parameters, failures, update_fn=flaky_update, max_nonfinite_updates=3
+    trainer = train_batches(
+        flaky_update,
+        6,
+        parameters,
+        failures,
+        lambda: parameters.latest()[1] == 2,
+        "two good updates",
     )
-    for index in range(2 * 6):
-        unrolls.put(unroll(index))
-    trainer.start()
-    try:
-        wait_until(lambda: parameters.latest()[1] == 2, 30, "two good updates")
-    finally:
-        trainer.stop()
     assert not failures
     assert trainer._stats.counters()["skipped_updates"] == 4
