@@ -18,6 +18,7 @@ _FAMILIES: dict[str, str] = {
     "atari": "envs.atari",
     "classic": "envs.classic",
     "counting": "envs.counting",
+    "football": "envs.football",
 }
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Makes .venv match uv.lock, installing uv first if this machine has none.
-# Usage: scripts/setup.sh [--dev] [--bench] [--dashboard] [--eval] [--plot]
+# Usage: scripts/setup.sh [--dev] [--bench] [--dashboard] [--eval] [--plot] [--football]
 #   --dev: the test and codegen tools; --bench: the benchmark's plotting;
-#   --dashboard: TensorBoard; --eval: seedrl-eval's video; --plot: learning curves
+#   --dashboard: TensorBoard; --eval: seedrl-eval's video; --plot: learning curves;
+#   --football: gfootball's Python dependencies (scripts/install_football.sh uses it)
 # Sourced by run_local.sh and test.sh; safe to run again (a no-op when in sync).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -11,8 +12,8 @@ UV_VERSION=0.13.9
 extras=()
 for flag in "$@"; do
   case "$flag" in
-    --dev|--bench|--dashboard|--eval|--plot) extras+=(--extra "${flag#--}") ;;
-    *) echo "usage: $0 [--dev] [--bench] [--dashboard] [--eval] [--plot]" >&2; exit 2 ;;
+    --dev|--bench|--dashboard|--eval|--plot|--football) extras+=(--extra "${flag#--}") ;;
+    *) echo "usage: $0 [--dev] [--bench] [--dashboard] [--eval] [--plot] [--football]" >&2; exit 2 ;;
   esac
 done
 

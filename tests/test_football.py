@@ -1,0 +1,223 @@
+"""Google Research Football: ids, packed mini-map, network, presets, and the real engine.
+
+The engine tests run gfootball itself (scripts/install_football.sh builds it);
+where it is not installed they are skipped, saying so. Everything above them
+runs everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from envs import football, registry
+from learner.config import preset_for
+from learner.networks import _unpack_bits, make_network
+from tests.fleet import LearnerThread, learner_config, spawn_actor, wait_until
+
+HAVE_GFOOTBALL = importlib.util.find_spec("gfootball") is not None
+needs_engine = pytest.mark.skipif(
+    not HAVE_GFOOTBALL,
+    reason="gfootball is not installed (scripts/install_football.sh builds it in minutes)",
+)
+EMPTY_GOAL = "football:academy_empty_goal_close"
+
+
+# -- without the engine ----------------------------------------------------------
+
+
+def test_ids_name_scenario_and_representation():
+    assert football.parse_name("academy_empty_goal_close") == ("academy_empty_goal_close", "smm")
+    assert football.parse_name("11_vs_11_easy_stochastic/simple115v2") == (
+        "11_vs_11_easy_stochastic",
+        "simple115v2",
+    )
+    with pytest.raises(ValueError, match="representation 'pixels' is unknown"):
+        football.parse_name("academy_empty_goal_close/pixels")
+    assert "football" in registry.families()
+
+
+def test_the_spec_is_known_without_the_engine():
+    smm = registry.spec(EMPTY_GOAL)
+    assert (smm.observation.dtype, smm.observation.shape) == ("uint8", (72, 96, 2))
+    assert smm.action.num_actions == 19
+    vector = registry.spec("football:11_vs_11_easy_stochastic/simple115v2")
+    assert (vector.observation.dtype, vector.observation.shape) == ("float32", (115,))
+
+
+def test_packed_planes_unpack_exactly_in_numpy_and_in_the_network():
+    rng = np.random.default_rng(0)
+    planes = (rng.random((3, 72, 96, 16)) < 0.1).astype(np.uint8) * 255
+    packed = football.pack_smm(planes)
+    assert packed.shape == (3, 72, 96, 2) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(football.unpack_smm(packed), planes // 255)
+    np.testing.assert_array_equal(np.asarray(_unpack_bits(packed)), planes / 255.0)
+
+
+def test_the_smm_network_takes_packed_planes():
+    network = make_network("smm_cnn", 19)
+    observations = np.zeros((2, 72, 96, 2), np.uint8)
+    params = network.init(jax.random.PRNGKey(0), observations)
+    output = network.apply(params, observations)
+    assert output.logits.shape == (2, 19) and output.values.shape == (2,)
+    # The planes reach the network: one set bit changes its output.
+    observations[1, 30, 40, 0] = 1
+    changed = network.apply(params, observations)
+    assert not np.allclose(changed.values[1], output.values[1])
+    np.testing.assert_allclose(changed.values[0], output.values[0])
+
+
+def test_presets_follow_the_scenario():
+    academy = preset_for(EMPTY_GOAL)
+    assert (academy.preset, academy.network, academy.env) == ("football", "smm_cnn", EMPTY_GOAL)
+    full = preset_for("football:11_vs_11_easy_stochastic")
+    assert full.preset == "football_11v11"
+    # SEED RL's published settings for the scoring reward.
+    assert (full.unroll_length, full.batch_size, full.discount, full.vtrace_lambda) == (
+        32,
+        32,
+        0.997,
+        0.9,
+    )
+    assert (full.learning_rate, full.entropy_cost) == (5.5e-5, 3.2e-5)
+
+
+@pytest.mark.skipif(HAVE_GFOOTBALL, reason="gfootball is installed")
+def test_without_the_engine_the_error_says_how_to_install_it():
+    with pytest.raises(ImportError, match=r"install_football\.sh"):
+        registry.make(EMPTY_GOAL, 1)
+
+
+# -- the real engine -------------------------------------------------------------
+
+
+@needs_engine
+@pytest.mark.parametrize("representation", ["smm", "simple115v2"])
+def test_gymnasium_env_checker_passes(representation):
+    from gymnasium.utils.env_checker import check_env
+
+    scenario = "academy_empty_goal_close" if representation == "smm" else "11_vs_11_easy_stochastic"
+    env = football.FootballEnv(scenario, representation)
+    try:
+        check_env(env, skip_render_check=True)
+    finally:
+        env.close()
+
+
+@needs_engine
+def test_a_seed_fixes_the_episodes_and_episodes_differ():
+    def play(seed: int) -> list[tuple[int, float, bool]]:
+        env = football.FootballEnv("academy_empty_goal_close")
+        rng = np.random.default_rng(0)
+        env.reset(seed=seed)
+        ends, steps = [], 0
+        try:
+            while len(ends) < 3:
+                _, reward, terminated, truncated, _ = env.step(int(rng.integers(19)))
+                steps += 1
+                if terminated or truncated:
+                    ends.append((steps, reward, terminated))
+                    steps = 0
+                    env.reset()
+        finally:
+            env.close()
+        return ends
+
+    assert play(7) == play(7)
+
+
+@needs_engine
+def test_episode_ends_map_to_terminated_or_truncated():
+    """The scenario's rules (a goal, the ball out of play, possession lost) terminate;
+    the clock truncates."""
+    env = football.FootballEnv("academy_empty_goal_close")
+    rng = np.random.default_rng(1)
+    try:
+        # The clock: shortened on the engine to 25 steps, standing idle outlasts it.
+        env.reset(seed=1)
+        env._core._env.config.game_duration = 25
+        steps = 0
+        while steps < 40:
+            _, reward, terminated, truncated, _ = env.step(0)
+            steps += 1
+            if terminated or truncated:
+                break
+        assert (truncated, terminated, reward) == (True, False, 0.0)
+        assert 25 <= steps <= 27 and env._core._observation["steps_left"] <= 0
+        # The rules: random play ends episodes long before the 400-step clock.
+        env.reset()
+        ends, steps, deadline = [], 0, time.monotonic() + 120
+        while len(ends) < 8 and time.monotonic() < deadline:
+            _, reward, terminated, truncated, _ = env.step(int(rng.integers(19)))
+            steps += 1
+            if terminated or truncated:
+                ends.append((terminated, truncated, steps, reward))
+                steps = 0
+                env.reset()
+    finally:
+        env.close()
+    assert len(ends) == 8, ends
+    for terminated, truncated, length, _ in ends:
+        assert terminated != truncated
+        assert truncated == (length >= 400), ends
+
+
+@needs_engine
+def test_vector_env_resets_in_next_step_mode():
+    env = registry.make(EMPTY_GOAL, 2, seed=3)
+    try:
+        step = env.reset()
+        assert step.observations.shape == (2, 72, 96, 2)
+        ended = None
+        for _ in range(500):
+            step = env.step(np.zeros(2, np.int32))
+            if ended is not None:
+                # The step after an episode's end is the next episode's first: no flags.
+                assert not step.terminated[ended] and not step.truncated[ended]
+                assert step.rewards[ended] == 0
+                break
+            finished = np.flatnonzero(step.terminated | step.truncated)
+            if finished.size:
+                ended = int(finished[0])
+        assert ended is not None
+    finally:
+        env.close()
+
+
+@needs_engine
+@pytest.mark.slow
+def test_a_learner_and_two_actors_train_on_an_academy_scenario(tmp_path):
+    """The real gRPC path: metrics.jsonl shows episodes and frames per second."""
+    config = learner_config(
+        EMPTY_GOAL, tmp_path / "run", total_env_steps=10**9, log_interval_s=2.0, batch_size=4
+    )
+    fleet = LearnerThread(config).start()
+    actors = [
+        spawn_actor(fleet.address, EMPTY_GOAL, 4, f"football-{index}", tmp_path / "actors")
+        for index in range(2)
+    ]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def records() -> list[dict]:
+        if not metrics.exists():
+            return []
+        return [json.loads(line) for line in metrics.read_text().splitlines() if line]
+
+    try:
+        wait_until(
+            lambda: any(r["episodes"] >= 8 and r["updates"] >= 2 for r in records()),
+            300,
+            "8 episodes and 2 updates",
+        )
+    finally:
+        for actor in actors:
+            actor.kill()
+        fleet.stop()
+    last = records()[-1]
+    assert last["fps"] > 0 and last["episodes"] >= 8 and last["updates"] >= 2
+    assert last["episode_return_mean"] is not None
