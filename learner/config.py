@@ -25,9 +25,11 @@ class LearnerConfig:
 
     # -- what and where ------------------------------------------------------
     env: str = "atari:Pong"
-    """Environment id, FAMILY:NAME: atari:Pong (any ALE game), classic:CartPole-v1, counting:v0."""
+    """Environment id, FAMILY:NAME: atari:Pong (any ALE game), classic:CartPole-v1,
+    football:academy_empty_goal_close (any gfootball scenario), counting:v0."""
     preset: str = ""
-    """Defaults to start from: atari, classic or counting; empty: from the env's family."""
+    """Defaults to start from: atari, classic, football, football_11v11 or counting; empty:
+    from the env (football's 11 vs 11 scenarios take football_11v11)."""
     port: int = 8470
     """TCP port of the gRPC server the actors connect to (0: any free port)."""
     bind_address: str = "[::]"
@@ -58,7 +60,8 @@ class LearnerConfig:
 
     # -- network -------------------------------------------------------------
     network: NetworkName = "nature_cnn"
-    """Torso: nature_cnn or impala_resnet for images, mlp for vectors."""
+    """Torso: nature_cnn or impala_resnet for images, smm_cnn for football's packed
+    mini-map, mlp for vectors."""
     mlp_hidden_sizes: tuple[int, ...] = (64, 64)
     """Layer sizes of the mlp torso."""
 
@@ -235,6 +238,38 @@ PRESETS: dict[str, LearnerConfig] = {
         entropy_cost=0.01,
         log_interval_s=2.0,
     ),
+    # Google Research Football's academy scenarios (one team's drills, short episodes,
+    # +1 for a goal): the mini-map CNN, unroll 32 as SEED, a learning rate and
+    # batch sized for learning within 1M env steps on a few CPU actors.
+    "football": LearnerConfig(
+        env="football:academy_empty_goal_close",
+        total_env_steps=1_000_000,
+        network="smm_cnn",
+        inference_batch_size=64,
+        inference_timeout_ms=2.0,
+        unroll_length=32,
+        batch_size=16,
+        unroll_queue_size=32,
+        learning_rate=3e-4,
+        discount=0.993,
+        vtrace_lambda=0.95,
+        entropy_cost=0.01,
+        reward_clipping="none",
+        log_interval_s=5.0,
+    ),
+    # Full 11 vs 11 games with the scoring reward: SEED RL's published settings.
+    "football_11v11": LearnerConfig(
+        env="football:11_vs_11_easy_stochastic",
+        total_env_steps=500_000_000,
+        network="smm_cnn",
+        unroll_length=32,
+        batch_size=32,
+        discount=0.997,
+        vtrace_lambda=0.9,
+        learning_rate=5.5e-5,
+        entropy_cost=3.2e-5,
+        reward_clipping="none",
+    ),
     # For system tests: small and fast.
     "counting": LearnerConfig(
         env="counting:v0",
@@ -255,7 +290,10 @@ PRESETS: dict[str, LearnerConfig] = {
 
 def preset_for(env_id: str, preset: str = "") -> LearnerConfig:
     """The preset named `preset`, or the one of the env's family; env set to `env_id`."""
-    name = preset or env_id.partition(":")[0]
+    family, _, scenario = env_id.partition(":")
+    name = preset or family
+    if not preset and family == "football" and scenario.startswith("11_vs_11"):
+        name = "football_11v11"
     if name not in PRESETS:
         raise ValueError(f"no preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     return dataclasses.replace(PRESETS[name], env=env_id, preset=name)
