@@ -221,3 +221,36 @@ def test_a_learner_and_two_actors_train_on_an_academy_scenario(tmp_path):
     last = records()[-1]
     assert last["fps"] > 0 and last["episodes"] >= 8 and last["updates"] >= 2
     assert last["episode_return_mean"] is not None
+
+
+@needs_engine
+@pytest.mark.slow
+def test_academy_empty_goal_close_is_learned_within_1m_env_steps(tmp_path):
+    """The football preset, the CLI learner and 2 actor processes: from the random
+    policy's 0.15 goals per episode to a 100-episode mean of 0.5 or more."""
+    from tests.test_learning import read_metrics, run_eval, run_learner
+
+    learner, port = run_learner(
+        tmp_path, "--env", EMPTY_GOAL, "--total-env-steps", "1000000", "--stop-at-return", "0.5"
+    )
+    actors = [
+        spawn_actor(f"127.0.0.1:{port}", EMPTY_GOAL, 8, f"football-{i}", tmp_path) for i in range(2)
+    ]
+    try:
+        assert learner.wait(timeout=4800) == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert [actor.wait(timeout_s=120) for actor in actors] == [0, 0]
+    finally:
+        learner.kill()
+        for actor in actors:
+            actor.kill()
+    records = read_metrics(tmp_path)
+    last = records[-1]
+    print(
+        f"\nempty goal close: mean {last['episode_return_mean']} goals per episode at "
+        f"{last['env_steps']:,} env steps, {last['elapsed_s']:.0f} s"
+    )
+    assert last["episode_return_mean"] >= 0.5 and last["env_steps"] <= 1_000_000
+    # The greedy policy of the final checkpoint scores too.
+    result = run_eval(tmp_path / "run", "--episodes", "40")
+    print(f"greedy: mean {result['mean']} over {result['episodes']} episodes")
+    assert result["mean"] >= 0.5
