@@ -27,6 +27,9 @@ whole sequence of episodes while the episodes differ.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
 from typing import Any, ClassVar
 
 import gymnasium as gym
@@ -73,7 +76,9 @@ def scenarios() -> list[str]:
 
 def _import_gfootball():
     try:
-        import gfootball.env as football_env
+        # gym 0.25 prints a banner about its own age on import; gfootball needs it anyway.
+        with contextlib.redirect_stderr(io.StringIO()):
+            import gfootball.env as football_env
     except ImportError as error:
         raise ImportError(_INSTALL_HINT) from error
     return football_env
@@ -104,16 +109,10 @@ class FootballEnv(gym.Env):
                 f"gfootball has no scenario {scenario!r}; scenarios: {', '.join(available)}"
             )
         smm = representation == "smm"
-        self._env = football_env.create_environment(
-            env_name=scenario,
-            representation="extracted" if smm else "simple115v2",
-            stacked=smm,
-            rewards="scoring",
-            render=False,  # the engine's renderer needs a display; render() draws the SMM
-            logdir="",
-            write_goal_dumps=False,
-            write_full_episode_dumps=False,
-        )
+        with warnings.catch_warnings():
+            # gfootball's wrappers use the old step API on purpose; we adapt it below.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._env = self._create(football_env, scenario, smm)
         self._core = self._env.unwrapped._env  # the engine's state: steps_left
         self._config = self._env.unwrapped._config
         # Scenarios alternate kick-offs by episode number; a seeded reset restarts it.
@@ -128,6 +127,19 @@ class FootballEnv(gym.Env):
             self.observation_space = gym.spaces.Box(-np.inf, np.inf, (115,), np.float32)
         self.action_space = gym.spaces.Discrete(int(self._env.action_space.n))
         self._last: np.ndarray | None = None
+
+    @staticmethod
+    def _create(football_env, scenario: str, smm: bool):
+        return football_env.create_environment(
+            env_name=scenario,
+            representation="extracted" if smm else "simple115v2",
+            stacked=smm,
+            rewards="scoring",
+            render=False,  # the engine's renderer needs a display; render() draws the SMM
+            logdir="",
+            write_goal_dumps=False,
+            write_full_episode_dumps=False,
+        )
 
     def _observation(self, raw: Any) -> np.ndarray:
         raw = np.asarray(raw)
