@@ -53,3 +53,16 @@ def spec_of_one(make_one: Callable[[], VectorEnv]) -> EnvSpec:
         return env.spec
     finally:
         env.close()
+
+
+def from_gymnasium(result: tuple, observation_dtype: np.dtype | None = None) -> EnvStep:
+    """The EnvStep of what a gymnasium vector env's `step` returns."""
+    observations, rewards, terminated, truncated, _ = result
+    if observation_dtype is not None:
+        observations = observations.astype(observation_dtype, copy=False)
+    return EnvStep(
+        observations=observations,
+        rewards=np.asarray(rewards, np.float32),
+        terminated=np.asarray(terminated, np.bool_),
+        truncated=np.asarray(truncated, np.bool_),
+    )

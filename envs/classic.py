@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envs.base import first_step, spec_of_one
+from envs.base import first_step, from_gymnasium, spec_of_one
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -64,15 +64,7 @@ class ClassicVectorEnv:
         return first_step(observations.astype(self._obs_dtype, copy=False))
 
     def step(self, actions: np.ndarray) -> EnvStep:
-        observations, rewards, terminated, truncated, _ = self._env.step(
-            np.asarray(actions, np.int64)
-        )
-        return EnvStep(
-            observations=observations.astype(self._obs_dtype, copy=False),
-            rewards=np.asarray(rewards, np.float32),
-            terminated=np.asarray(terminated, np.bool_),
-            truncated=np.asarray(truncated, np.bool_),
-        )
+        return from_gymnasium(self._env.step(np.asarray(actions, np.int64)), self._obs_dtype)
 
     def render(self) -> np.ndarray:
         """uint8 [H, W, 3]: env 0 as it is now (made with render=True)."""

@@ -36,7 +36,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envs.base import first_step
+from envs.base import first_step, from_gymnasium
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -218,15 +218,7 @@ class FootballVectorEnv:
         return first_step(observations)
 
     def step(self, actions: np.ndarray) -> EnvStep:
-        observations, rewards, terminated, truncated, _ = self._env.step(
-            np.asarray(actions, np.int64)
-        )
-        return EnvStep(
-            observations=observations,
-            rewards=np.asarray(rewards, np.float32),
-            terminated=np.asarray(terminated, np.bool_),
-            truncated=np.asarray(truncated, np.bool_),
-        )
+        return from_gymnasium(self._env.step(np.asarray(actions, np.int64)))
 
     def render(self) -> np.ndarray:
         """uint8 [H, W, 3]: env 0's newest mini-map (made with render=True)."""

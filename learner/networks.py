@@ -23,17 +23,21 @@ def _images_to_float(observations: jax.Array) -> jax.Array:
     return jnp.transpose(observations.astype(jnp.float32) / 255.0, (0, 2, 3, 1))
 
 
+def _nature_layers(x: jax.Array, hidden_size: int) -> jax.Array:
+    """The DQN layers on float [B, H, W, C]; called inside a module's compact __call__."""
+    x = nn.relu(nn.Conv(32, (8, 8), strides=(4, 4), padding="VALID")(x))
+    x = nn.relu(nn.Conv(64, (4, 4), strides=(2, 2), padding="VALID")(x))
+    x = nn.relu(nn.Conv(64, (3, 3), strides=(1, 1), padding="VALID")(x))
+    x = x.reshape(x.shape[0], -1)
+    return nn.relu(nn.Dense(hidden_size)(x))
+
+
 class NatureCNN(nn.Module):
     """The DQN torso of Mnih et al. 2015: three convolutions and a 512-unit layer."""
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        x = _images_to_float(observations)
-        x = nn.relu(nn.Conv(32, (8, 8), strides=(4, 4), padding="VALID")(x))
-        x = nn.relu(nn.Conv(64, (4, 4), strides=(2, 2), padding="VALID")(x))
-        x = nn.relu(nn.Conv(64, (3, 3), strides=(1, 1), padding="VALID")(x))
-        x = x.reshape(x.shape[0], -1)
-        return nn.relu(nn.Dense(512)(x))
+        return _nature_layers(_images_to_float(observations), hidden_size=512)
 
 
 class _ResidualBlock(nn.Module):
@@ -83,12 +87,7 @@ class SMMCNN(nn.Module):
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        x = _unpack_bits(observations)
-        x = nn.relu(nn.Conv(32, (8, 8), strides=(4, 4), padding="VALID")(x))
-        x = nn.relu(nn.Conv(64, (4, 4), strides=(2, 2), padding="VALID")(x))
-        x = nn.relu(nn.Conv(64, (3, 3), strides=(1, 1), padding="VALID")(x))
-        x = x.reshape(x.shape[0], -1)
-        return nn.relu(nn.Dense(256)(x))
+        return _nature_layers(_unpack_bits(observations), hidden_size=256)
 
 
 class MLP(nn.Module):
