@@ -298,7 +298,11 @@ def preset_for(env_id: str, preset: str = "") -> LearnerConfig:
         name = "football_11v11"
     if name not in PRESETS:
         raise ValueError(f"no preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-    return dataclasses.replace(PRESETS[name], env=env_id, preset=name)
+    config = dataclasses.replace(PRESETS[name], env=env_id, preset=name)
+    if family == "football" and scenario.endswith("/simple115v2"):
+        # 115 floats, not the mini-map: a vector torso.
+        config = dataclasses.replace(config, network="mlp", mlp_hidden_sizes=(256, 256))
+    return config
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> LearnerConfig:

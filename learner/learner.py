@@ -33,7 +33,7 @@ from learner.checkpoint import Checkpointer
 from learner.config import LearnerConfig
 from learner.inference import InferenceLoop, ParameterSource
 from learner.metrics import MetricsLogger
-from learner.networks import make_network
+from learner.networks import check_network_fits, make_network
 from learner.server import LearnerService
 from learner.stats import RETURN_WINDOW, LearnerStats
 from learner.telemetry import Telemetry
@@ -116,6 +116,7 @@ class Learner:
         self._loop: asyncio.AbstractEventLoop | None = None
 
         spec = self.env_spec
+        check_network_fits(config.network, spec.observation.dtype, spec.observation.shape)
         network = make_network(config.network, spec.action.num_actions, config.mlp_hidden_sizes)
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))
         example_observation = np.zeros((1, *spec.observation.shape), spec.observation.np_dtype)

@@ -24,11 +24,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)
     from learner.checkpoint import NoCheckpointError
     from learner.learner import Learner
+    from learner.networks import NetworkMismatch
 
     try:
         learner = Learner(config)
     except NoCheckpointError as error:
         logging.getLogger("learner").error("--init-checkpoint: %s", error)
+        sys.exit(2)
+    except NetworkMismatch as error:
+        logging.getLogger("learner").error("%s", error)
         sys.exit(2)
     logging.getLogger("learner").info(
         "compiling inference and the update for %s (%s)...", config.env, config.network

@@ -132,6 +132,47 @@ class ActorCritic(nn.Module):
         return PolicyOutput(logits=logits, values=values[:, 0])
 
 
+class NetworkMismatch(ValueError):
+    """A network that cannot read the env's observations, with what would."""
+
+
+# Smallest height and width the DQN layers take (8x8/4, 4x4/2, 3x3/1, all VALID).
+_NATURE_MIN_SIZE = 36
+
+
+def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> None:
+    """Raises NetworkMismatch when network `name` cannot take observations dtype[shape]
+    (one observation, no batch dimension), saying which network fits instead."""
+    observation = f"{dtype}[{','.join(map(str, shape))}]"
+    if name == "mlp":
+        return
+    if name in ("nature_cnn", "impala_resnet"):
+        wanted = "uint8 images [C, H, W] (stacked frames as channels)"
+        minimum = _NATURE_MIN_SIZE if name == "nature_cnn" else 1
+        fits = dtype == "uint8" and len(shape) == 3 and min(shape[1:]) >= minimum
+    elif name == "smm_cnn":
+        wanted = "football's packed mini-map, uint8 [H, W, planes/8]"
+        fits = dtype == "uint8" and len(shape) == 3 and min(shape[:2]) >= _NATURE_MIN_SIZE
+    else:
+        raise NetworkMismatch(
+            f"unknown network {name!r}; choose one of nature_cnn, impala_resnet, smm_cnn, mlp"
+        )
+    if fits:
+        return
+    if len(shape) == 1:
+        hint = "mlp"
+    elif dtype == "uint8" and len(shape) == 3 and shape[-1] < shape[0]:
+        hint = "smm_cnn"  # channels last: the packed mini-map
+    elif dtype == "uint8" and len(shape) == 3:
+        hint = "nature_cnn or impala_resnet"
+    else:
+        hint = "mlp (it flattens any observation)"
+    raise NetworkMismatch(
+        f"--network {name} takes {wanted}, but this env's observations are {observation}; "
+        f"use --network {hint}"
+    )
+
+
 def make_network(
     name: NetworkName, num_actions: int, mlp_hidden_sizes: Sequence[int] = (64, 64)
 ) -> ActorCritic:

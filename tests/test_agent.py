@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from learner.agents.vtrace import learning
-from learner.networks import make_network
+from learner.networks import NetworkMismatch, check_network_fits, make_network
 from learner.ops.vtrace import vtrace
 
 SETTINGS = learning.LossSettings(
@@ -152,3 +152,32 @@ def test_networks_give_logits_and_values(name, observation):
 def test_unknown_network_is_refused():
     with pytest.raises(ValueError, match="unknown network"):
         make_network("transformer", 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "shape", "hint"),
+    [
+        ("smm_cnn", "float32", (115,), "use --network mlp"),
+        ("nature_cnn", "uint8", (72, 96, 2), "use --network smm_cnn"),
+        ("nature_cnn", "float32", (4,), "use --network mlp"),
+        ("smm_cnn", "uint8", (4, 84, 84), "use --network nature_cnn or impala_resnet"),
+        ("nature_cnn", "uint8", (4, 20, 20), "use --network nature_cnn or impala_resnet"),
+    ],
+)
+def test_a_network_that_cannot_read_the_observations_is_refused_clearly(name, dtype, shape, hint):
+    with pytest.raises(NetworkMismatch, match=hint):
+        check_network_fits(name, dtype, shape)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "shape"),
+    [
+        ("nature_cnn", "uint8", (4, 84, 84)),
+        ("impala_resnet", "uint8", (4, 84, 84)),
+        ("smm_cnn", "uint8", (72, 96, 2)),
+        ("mlp", "float32", (115,)),
+        ("mlp", "uint8", (4, 84, 84)),
+    ],
+)
+def test_networks_accept_what_they_read(name, dtype, shape):
+    check_network_fits(name, dtype, shape)

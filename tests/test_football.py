@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import time
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 from envs import football, registry
 from learner.config import preset_for
 from learner.networks import _unpack_bits, make_network
-from tests.fleet import LearnerThread, learner_config, spawn_actor, wait_until
+from tests.fleet import LearnerThread, learner_argv, learner_config, spawn_actor, wait_until
 
 HAVE_GFOOTBALL = importlib.util.find_spec("gfootball") is not None
 needs_engine = pytest.mark.skipif(
@@ -85,6 +86,9 @@ def test_presets_follow_the_scenario():
         0.9,
     )
     assert (full.learning_rate, full.entropy_cost) == (5.5e-5, 3.2e-5)
+    # The 115-float representation takes a vector torso.
+    vector = preset_for("football:11_vs_11_easy_stochastic/simple115v2")
+    assert (vector.preset, vector.network) == ("football_11v11", "mlp")
 
 
 @pytest.mark.skipif(HAVE_GFOOTBALL, reason="gfootball is installed")
@@ -254,3 +258,16 @@ def test_academy_empty_goal_close_is_learned_within_1m_env_steps(tmp_path):
     result = run_eval(tmp_path / "run", "--episodes", "40")
     print(f"greedy: mean {result['mean']} over {result['episodes']} episodes")
     assert result["mean"] >= 0.5
+
+
+def test_the_learner_refuses_a_network_that_cannot_read_the_mini_map(tmp_path):
+    """No engine needed: the learner knows football's spec and says which network fits."""
+    result = subprocess.run(
+        [*learner_argv(EMPTY_GOAL, tmp_path / "run"), "--network", "nature_cnn"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "use --network smm_cnn" in result.stderr
+    assert not (tmp_path / "run").exists()
