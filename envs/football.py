@@ -196,7 +196,6 @@ class FootballVectorEnv:
 
     def __init__(self, name: str, num_envs: int, seed: int | None = None, render: bool = False):
         scenario, representation = parse_name(name)
-        _import_gfootball()
         render_mode = "rgb_array" if render else None
         self._env = gym.vector.SyncVectorEnv(
             [(lambda: FootballEnv(scenario, representation, render_mode)) for _ in range(num_envs)],

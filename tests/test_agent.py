@@ -85,13 +85,19 @@ def random_batch(rng, steps=6, batch=4, obs=3, actions=2):
     )
 
 
-def test_updates_fit_the_values_of_a_fixed_batch():
-    rng = np.random.default_rng(0)
+def mlp_update():
+    """A jitted V-trace update of a small MLP agent, and its initial state."""
     network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
     params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
     optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
     update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
     state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+    return update, state
+
+
+def test_updates_fit_the_values_of_a_fixed_batch():
+    rng = np.random.default_rng(0)
+    update, state = mlp_update()
     batch = random_batch(rng)
     value_losses = []
     for _ in range(30):
@@ -108,11 +114,7 @@ def test_updates_fit_the_values_of_a_fixed_batch():
 
 def test_an_update_with_a_nan_leaves_the_state_as_it_was():
     rng = np.random.default_rng(1)
-    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
-    params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
-    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
-    update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
-    state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+    update, state = mlp_update()
     state, metrics = update(state, random_batch(rng))
     assert bool(metrics["finite"]) and int(state.updates) == 1
     poisoned = random_batch(rng)

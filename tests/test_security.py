@@ -142,14 +142,20 @@ def assert_actor_served(learner: LearnerThread, tmp_path, *flags: str) -> None:
         actor.kill()
 
 
-def test_with_tls_a_plain_text_client_is_refused(tmp_path, certs):
+def tls_learner(tmp_path, certs, **overrides) -> LearnerThread:
+    """A started learner with the test CA's learner certificate."""
     config = learner_config(
         ENV,
         tmp_path / "run",
         tls_cert=str(certs / "learner.pem"),
         tls_key=str(certs / "learner.key"),
+        **overrides,
     )
-    learner = LearnerThread(config).start()
+    return LearnerThread(config).start()
+
+
+def test_with_tls_a_plain_text_client_is_refused(tmp_path, certs):
+    learner = tls_learner(tmp_path, certs)
     try:
         with grpc.insecure_channel(learner.address) as channel:
             error = refusal(channel)
@@ -162,14 +168,7 @@ def test_with_tls_a_plain_text_client_is_refused(tmp_path, certs):
 
 
 def test_a_client_certificate_when_the_learner_asks_for_one(tmp_path, certs):
-    config = learner_config(
-        ENV,
-        tmp_path / "run",
-        tls_cert=str(certs / "learner.pem"),
-        tls_key=str(certs / "learner.key"),
-        tls_client_ca=str(certs / "ca.pem"),
-    )
-    learner = LearnerThread(config).start()
+    learner = tls_learner(tmp_path, certs, tls_client_ca=str(certs / "ca.pem"))
     try:
         with tls_channel(learner.address, certs, client=False) as channel:
             error = refusal(channel)
