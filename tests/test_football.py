@@ -114,7 +114,7 @@ def test_gymnasium_env_checker_passes(representation):
 
 
 @needs_engine
-def test_a_seed_fixes_the_episodes_and_episodes_differ():
+def test_a_seed_fixes_the_sequence_of_episodes():
     def play(seed: int) -> list[tuple[int, float, bool]]:
         env = football.FootballEnv("academy_empty_goal_close")
         rng = np.random.default_rng(0)
