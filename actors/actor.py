@@ -32,7 +32,7 @@ from seedrl import security
 from seedrl.codec import StepCodec, WireError
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION
-from seedrl.transport import STREAM_PATH, channel_options, parse_address
+from seedrl.transport import STREAM_PATH, channel_options, check_keepalive, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,11 @@ class ActorConfig:
     backoff_max_s: float = 8.0
     """Longest wait between attempts: a learner that is back is found within about this
     long (plus jitter)."""
+    keepalive_interval_s: float = 20.0
+    """Seconds between pings to the learner; a link that died without closing is
+    noticed within about interval + timeout, and the actor reconnects."""
+    keepalive_timeout_s: float = 10.0
+    """A ping unanswered for this long ends the connection."""
     give_up_after_s: float = 0.0
     """Exit (code 3) after this long without a learner; 0: retry forever."""
     log_interval_s: float = 30.0
@@ -105,6 +110,7 @@ class ActorConfig:
             )
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff needs 0 < backoff_initial_s <= backoff_max_s")
+        check_keepalive(self.keepalive_interval_s, self.keepalive_timeout_s)
         if self.give_up_after_s < 0:
             raise ValueError("give_up_after_s must not be negative (0: never)")
         if (self.tls_cert or self.tls_key or self.tls_server_name) and not self.tls_ca:
@@ -232,7 +238,10 @@ class Actor:
 
     def _channel(self) -> grpc.aio.Channel:
         config = self.config
-        options = channel_options()
+        options = channel_options(
+            keepalive_interval_s=config.keepalive_interval_s,
+            keepalive_timeout_s=config.keepalive_timeout_s,
+        )
         if not config.tls_ca:
             return grpc.aio.insecure_channel(config.learner, options=options)
         if config.tls_server_name:
@@ -245,10 +254,16 @@ class Actor:
         metadata = security.call_metadata(self._token)
         async with self._channel() as channel:
             calls = [channel.stream_stream(STREAM_PATH)(metadata=metadata) for _ in self.groups]
-            for group, call in zip(self.groups, calls, strict=True):
-                await call.write(self._hello(group))
-            for call in calls:
-                welcome = await self._read(call, timeout=config.connect_timeout_s)
+            try:
+                # The whole handshake is bounded: a connection attempt into a dead
+                # link must not outlast it, or the actor would find the link back late.
+                async with asyncio.timeout(config.connect_timeout_s):
+                    for group, call in zip(self.groups, calls, strict=True):
+                        await call.write(self._hello(group))
+                    welcomes = [await self._read(call, timeout=None) for call in calls]
+            except TimeoutError as error:
+                raise TimeoutError(f"no welcome within {config.connect_timeout_s:g} s") from error
+            for welcome in welcomes:
                 if welcome.WhichOneof("message") != "welcome":
                     raise WireError(f"expected a welcome, got {welcome.WhichOneof('message')}")
             self.connections += 1

@@ -17,6 +17,7 @@ from typing import Literal
 import tyro
 
 from learner.networks import NetworkName
+from seedrl.transport import check_keepalive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,12 @@ class LearnerConfig:
     stream_idle_timeout_s: float = 300.0
     """A stream that sends nothing for this long after its last reply is ended
     (DEADLINE_EXCEEDED) and its env slots freed."""
+    keepalive_interval_s: float = 20.0
+    """Seconds between the learner's pings on each actor connection; with
+    --keepalive-timeout-s it bounds how long a vanished actor host (cut link, lost
+    machine) holds its env slots: about interval + timeout."""
+    keepalive_timeout_s: float = 10.0
+    """A ping unanswered for this long ends the connection and its streams."""
 
     # -- telemetry and checkpoints --------------------------------------------
     http_port: int = 8471
@@ -193,6 +200,7 @@ class LearnerConfig:
         )
         require(self.stream_idle_timeout_s > 0, "stream_idle_timeout_s must be positive")
         require(self.max_message_mb > 0, "max_message_mb must be positive")
+        check_keepalive(self.keepalive_interval_s, self.keepalive_timeout_s)
 
     def public(self) -> dict:
         """The configuration as config.json keeps it: the token's value withheld."""

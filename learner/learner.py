@@ -249,7 +249,12 @@ class Learner:
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self.service.bind_loop(self._loop)
-        server = grpc.aio.server(options=server_options(int(config.max_message_mb * 1024 * 1024)))
+        options = server_options(
+            int(config.max_message_mb * 1024 * 1024),
+            config.keepalive_interval_s,
+            config.keepalive_timeout_s,
+        )
+        server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((self.service.handlers(),))
         address = f"{config.bind_address}:{config.port}"
         try:
@@ -295,6 +300,7 @@ class Learner:
         if train:
             self.trainer.start()
         await server.start()
+        self.telemetry.serving = True
         watchdog = asyncio.create_task(self.service.watch_idle())
         logger.info(
             "learner %s serving %s on port %d; run dir %s",
@@ -371,6 +377,7 @@ class Learner:
         # Streams end with OK (actors exit) when training finished; otherwise with
         # UNAVAILABLE (actors retry until a learner is back).
         self.service.stop_serving(finished)
+        self.telemetry.serving = False
         await asyncio.to_thread(self.trainer.stop)
         await asyncio.to_thread(self.inference.stop)
         # The last state, written completely before the process may exit.

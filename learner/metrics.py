@@ -90,6 +90,8 @@ class MetricsLogger:
             "connected_envs": snapshot["connected_envs"],
             "rejected_streams": snapshot["rejected_streams"],
             "skipped_updates": snapshot["skipped_updates"],
+            "dropped_unrolls": snapshot["dropped_unrolls"],
+            "dropped_transitions": snapshot["dropped_transitions"],
             # Shares of the interval: the inference thread computing or blocked on a
             # full unroll queue; the trainer waiting for unrolls or training.
             "time_inference": _round(timers.get("inference", 0.0) / interval, 3),

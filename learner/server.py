@@ -375,7 +375,7 @@ class LearnerService:
     def _disconnect(self, actor: ActorStream) -> None:
         self.streams.pop(actor.owner, None)
         self._batcher.stream_closed()
-        self._store.release(actor.owner, actor.slots)
+        self._stats.count_dropped(*self._store.release(actor.owner, actor.slots))
         self._stats.stream_change(actors=-1, envs=-actor.num_envs)
         logger.info(
             "actor %s run %s disconnected after %d steps", actor.actor_id, actor.run_id, actor.steps

@@ -43,6 +43,8 @@ class LearnerStats:
         self.connected_envs = 0
         self.rejected_streams = 0
         self.skipped_updates = 0
+        self.dropped_unrolls = 0
+        self.dropped_transitions = 0
         self.stream_errors: collections.Counter[str] = collections.Counter()
         self._returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
         self._clipped_returns: collections.deque[float] = collections.deque(maxlen=RETURN_WINDOW)
@@ -104,6 +106,12 @@ class LearnerStats:
         with self._lock:
             return dict(self.stream_errors)
 
+    def count_dropped(self, unrolls: int, transitions: int) -> None:
+        """Partial unrolls (and their transitions) of a stream that ended."""
+        with self._lock:
+            self.dropped_unrolls += unrolls
+            self.dropped_transitions += transitions
+
     def count_skipped_update(self) -> None:
         with self._lock:
             self.skipped_updates += 1
@@ -129,6 +137,8 @@ class LearnerStats:
             "connected_envs": self.connected_envs,
             "rejected_streams": self.rejected_streams,
             "skipped_updates": self.skipped_updates,
+            "dropped_unrolls": self.dropped_unrolls,
+            "dropped_transitions": self.dropped_transitions,
         }
 
     def progress(self) -> tuple[int, list[float]]:

@@ -10,7 +10,9 @@ threads serves:
                  history, and the table of connected actors
 - `/metrics`     Prometheus text format: counters read live from the learner's
                  stats, gauges from the latest record
-- `/healthz`     "ok" while the learner serves
+- `/healthz`     "ok" while the process answers (liveness)
+- `/readyz`      200 while the gRPC server takes actor streams, 503 before
+                 (compiling) and once stopping (readiness)
 
 Nothing here runs per actor step: the server's only per-step work is a
 stream's step count and last-seen time, which it kept already or is one
@@ -226,6 +228,16 @@ class _Collector:
                 "Updates skipped for a non-finite loss or gradient.",
                 counters["skipped_updates"],
             ),
+            (
+                "seedrl_dropped_unrolls",
+                "Partial unrolls dropped because their actor's stream ended.",
+                counters["dropped_unrolls"],
+            ),
+            (
+                "seedrl_dropped_transitions",
+                "Transitions in those partial unrolls.",
+                counters["dropped_transitions"],
+            ),
         ):
             yield CounterMetricFamily(name, help_text, value=value)
         for name, help_text, value in (
@@ -293,6 +305,8 @@ class Telemetry:
         self.queue_depth = queue_depth
         self.run_info = run_info
         self.latest: dict[str, Any] | None = None
+        self.serving = False
+        """Set by the learner while its gRPC server takes actor streams."""
         self.actors = ActorTable(streams)
         self._tensorboard = tensorboard
         self._resume_frames = resume_frames
@@ -452,6 +466,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._reply(200, "application/json", body.encode())
             elif path == "/healthz":
                 self._reply(200, "text/plain; charset=utf-8", b"ok\n")
+            elif path == "/readyz":
+                if self.telemetry.serving:
+                    self._reply(200, "text/plain; charset=utf-8", b"ready\n")
+                else:
+                    self._reply(503, "text/plain; charset=utf-8", b"not serving actors\n")
             else:
                 self._reply(404, "text/plain; charset=utf-8", f"no page {path}\n".encode())
         except (BrokenPipeError, ConnectionResetError):

@@ -138,13 +138,19 @@ class UnrollStore:
             self._episode_length[slots] = 0
             return slots
 
-    def release(self, owner: int, slots: np.ndarray) -> None:
-        """Frees the slots of a stream that ended, dropping its partial unrolls."""
+    def release(self, owner: int, slots: np.ndarray) -> tuple[int, int]:
+        """Frees the slots of a stream that ended, dropping its partial unrolls.
+
+        Returns what was dropped: (partial unrolls, transitions in them). A slot
+        holding only the step an emitted unroll ended on drops no transition.
+        """
         with self._lock:
             mine = slots[self._owner[slots] == owner]
+            transitions = np.maximum(self._length[mine].astype(np.int64) - 1, 0)
             self._owner[mine] = FREE
             self._length[mine] = 0
             self._free.extend(mine.tolist())
+            return int(np.count_nonzero(transitions)), int(transitions.sum())
 
     def recycle(self, unrolls: list[Unroll]) -> None:
         """Takes back the observation arrays of unrolls the caller is done with.

@@ -13,37 +13,62 @@ STREAM_PATH = f"/{SERVICE_NAME}/{STREAM_METHOD}"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 # Pings keep NAT and load-balancer state alive and let either side notice a
-# peer that vanished without closing its socket (a preempted machine).
-KEEPALIVE_TIME_MS = 20_000
-KEEPALIVE_TIMEOUT_MS = 10_000
+# peer that vanished without closing its socket (a preempted machine, a cut
+# link): a dead peer is noticed within about interval + timeout.
+KEEPALIVE_INTERVAL_S = 20.0
+KEEPALIVE_TIMEOUT_S = 10.0
+# The shortest keepalive interval: the learner accepts pings this often, so
+# an actor's setting never has to match its learner's.
+MIN_KEEPALIVE_INTERVAL_S = 1.0
 
 
-def _common_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def _common_options(
+    max_message_bytes: int, keepalive_interval_s: float, keepalive_timeout_s: float
+) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_time_ms", round(keepalive_interval_s * 1000)),
+        ("grpc.keepalive_timeout_ms", round(keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
-def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def check_keepalive(interval_s: float, timeout_s: float) -> None:
+    """ValueError unless the keepalive settings are usable."""
+    if not MIN_KEEPALIVE_INTERVAL_S <= interval_s <= 3600:
+        raise ValueError(
+            f"keepalive_interval_s must be in {MIN_KEEPALIVE_INTERVAL_S:g}..3600, got {interval_s:g}"
+        )
+    if not 0.5 <= timeout_s <= 600:
+        raise ValueError(f"keepalive_timeout_s must be in 0.5..600, got {timeout_s:g}")
+
+
+def channel_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S,
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+) -> list[tuple[str, int]]:
     """Options for an actor's channel to the learner."""
     return [
-        *_common_options(max_message_bytes),
+        *_common_options(max_message_bytes, keepalive_interval_s, keepalive_timeout_s),
         # Reconnection pacing is the actor's own (with jitter and a new run id).
         ("grpc.enable_retries", 0),
     ]
 
 
-def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S,
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+) -> list[tuple[str, int]]:
     """Options for the learner's server."""
     return [
-        *_common_options(max_message_bytes),
-        # Accept the actors' keepalive pings at their pace.
-        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        *_common_options(max_message_bytes, keepalive_interval_s, keepalive_timeout_s),
+        # Accept the actors' pings at any interval they may be set to (a ping is
+        # a few bytes); faster ones are sent away (GOAWAY too_many_pings).
+        ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_KEEPALIVE_INTERVAL_S * 1000)),
         # Another learner on the same port must fail to start, not share the port.
         ("grpc.so_reuseport", 0),
     ]

@@ -67,6 +67,8 @@ REQUIRED_SAMPLES = {
     "seedrl_inference_latency_seconds",
     "seedrl_unroll_queue_depth",
     "seedrl_connected_actors",
+    "seedrl_dropped_unrolls_total",
+    "seedrl_dropped_transitions_total",
 }
 
 
@@ -141,6 +143,30 @@ def offline_telemetry(run_dir: pathlib.Path, tensorboard: bool) -> Telemetry:
         http_address="127.0.0.1",
         http_port=-1,
     )
+
+
+def test_readiness_follows_the_learners_serving(tmp_path):
+    telemetry = Telemetry(
+        str(tmp_path),
+        LearnerStats(),
+        {},
+        lambda: 0,
+        {"frames_per_step": 1},
+        tensorboard=False,
+        http_address="127.0.0.1",
+        http_port=0,
+    )
+    telemetry.start()
+    try:
+        # Compiling, not yet taking streams: alive but not ready.
+        assert fetch(telemetry.url + "healthz")[0] == 200
+        assert fetch(telemetry.url + "readyz")[0] == 503
+        telemetry.serving = True
+        assert fetch(telemetry.url + "readyz")[::2] == (200, b"ready\n")
+        telemetry.serving = False  # stopping
+        assert fetch(telemetry.url + "readyz")[0] == 503
+    finally:
+        telemetry.close()
 
 
 def test_chart_history_keeps_the_whole_run_when_thinned(tmp_path, monkeypatch):
@@ -232,6 +258,7 @@ def test_status_lists_the_running_actors(fleet):
 
 def test_other_paths(fleet):
     assert fetch(fleet.url + "healthz")[:2] == (200, "text/plain; charset=utf-8")
+    assert fetch(fleet.url + "readyz")[::2] == (200, b"ready\n")
     status, _, body = fetch(fleet.url + "nothing-here")
     assert status == 404 and b"/nothing-here" in body
     status, content_type, body = fetch(fleet.url)

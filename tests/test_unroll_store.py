@@ -52,7 +52,8 @@ def test_store_grows_and_reuses_released_slots():
     first = store.allocate(owner=1, count=3)
     assert store.slots_in_use == 3
     feed(store, first, 1, [1, 2, 3])
-    store.release(1, first)
+    # One step per slot, no transition yet: nothing of value is dropped.
+    assert store.release(1, first) == (0, 0)
     assert store.slots_in_use == 0
     capacity = store.capacity
     second = store.allocate(owner=2, count=capacity)
@@ -64,6 +65,26 @@ def test_store_grows_and_reuses_released_slots():
     for t in range(3):
         emitted.extend(feed(store, second, 2, [10 + t] * 3)[0])
     assert {tuple(u.observations[:, 0]) for u in emitted} == {(10, 11, 12)}
+
+
+def test_release_counts_the_partial_unrolls_it_drops():
+    store = UnrollStore(unroll_length=3, observation_spec=SPEC, initial_slots=1)
+    slots = store.allocate(owner=1, count=3)
+    # Slots 0 and 1 hold 4 steps (one unroll emitted, its last step kept) then
+    # 2 and 1 more; slot 2 joins late with a single step.
+    for t in range(4):
+        feed(store, slots[:2], 1, [t, t])
+    feed(store, slots[:2], 1, [4, 4])
+    feed(store, slots[:1], 1, [5])
+    feed(store, slots[2:], 1, [7])
+    # Slot 0: steps 3, 4, 5 (2 transitions); slot 1: 3, 4 (1); slot 2: 7 (none).
+    assert store.release(1, slots) == (2, 3)
+    # Another owner's slots are not its to drop.
+    others = store.allocate(owner=2, count=1)
+    feed(store, others, 2, [1])
+    feed(store, others, 2, [2])
+    assert store.release(1, others) == (0, 0)
+    assert store.release(2, others) == (1, 1)
 
 
 def test_steps_of_a_previous_owner_are_dropped():
