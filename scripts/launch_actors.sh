@@ -3,7 +3,7 @@
 #
 # Usage: scripts/launch_actors.sh --learner HOST:PORT --num-actors N
 #            [--env ENV_ID] [--num-envs K] [--actor-prefix NAME] [--log-dir DIR]
-#            [-- EXTRA_ACTOR_FLAGS...]
+#            [--status-file FILE] [-- EXTRA_ACTOR_FLAGS...]
 #
 # Actor i is named NAME-i (default: this host's name), so a restarted actor
 # keeps its name and the learner sees a new run of the same actor. An actor
@@ -13,6 +13,9 @@
 # its start (a crash loop); one killed after working (preempted, OOM) comes
 # back after 1 s. Ctrl-C or SIGTERM
 # stops every actor. Exits 0 when all actors finished, 2 if any was refused.
+# --status-file: rewritten at every change, one line of key=value pairs:
+# state (running, finished, refused, stopped), actors, alive, restarts,
+# finished, refused, pid, updated (epoch seconds); launch_fleet.sh reads it.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -22,7 +25,7 @@ usage() {
 }
 fail() { echo "launch_actors: $*" >&2; echo >&2; usage; }
 
-learner="" num_actors="" env="atari:Pong" num_envs=8 prefix=$(hostname) log_dir=""
+learner="" num_actors="" env="atari:Pong" num_envs=8 prefix=$(hostname) log_dir="" status_file=""
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -32,6 +35,7 @@ while [ $# -gt 0 ]; do
     --num-envs) num_envs=${2:-}; shift 2 || fail "--num-envs needs a value" ;;
     --actor-prefix) prefix=${2:-}; shift 2 || fail "--actor-prefix needs a value" ;;
     --log-dir) log_dir=${2:-}; shift 2 || fail "--log-dir needs a value" ;;
+    --status-file) status_file=${2:-}; shift 2 || fail "--status-file needs a value" ;;
     -h|--help) usage ;;
     --) shift; extra=("$@"); break ;;
     *) fail "unknown argument '$1'" ;;
@@ -52,9 +56,17 @@ else
   exit 1
 fi
 [ -z "$log_dir" ] || mkdir -p "$log_dir"
+[ -z "$status_file" ] || mkdir -p "$(dirname "$status_file")"
 
 declare -A pid_of index_of started_at backoff
-finished=0 refused=0 stopping=0 sleep_pid=""
+finished=0 refused=0 restarts=0 stopping=0 sleep_pid=""
+
+write_status() {
+  [ -n "$status_file" ] || return 0
+  printf 'state=%s actors=%d alive=%d restarts=%d finished=%d refused=%d pid=%d updated=%d\n' \
+    "$1" "$num_actors" "${#pid_of[@]}" "$restarts" "$finished" "$refused" $$ "$(date +%s)" \
+    >"$status_file.tmp" && mv -f "$status_file.tmp" "$status_file"
+}
 
 start_actor() {
   local i=$1 name="$prefix-$1"
@@ -75,6 +87,8 @@ stop_all() {
   local pids=("${pid_of[@]}" $sleep_pid)
   [ ${#pids[@]} -eq 0 ] || kill -TERM "${pids[@]}" 2>/dev/null
   wait
+  pid_of=()
+  write_status stopped
   exit 130
 }
 trap stop_all INT TERM
@@ -84,6 +98,7 @@ for ((i = 0; i < num_actors; i++)); do
   backoff[$i]=1
 done
 echo "launch_actors: $num_actors actors x $num_envs envs of $env -> $learner" >&2
+write_status running
 
 while [ ${#pid_of[@]} -gt 0 ]; do
   wait -n -p done_pid
@@ -93,9 +108,12 @@ while [ ${#pid_of[@]} -gt 0 ]; do
   unset "index_of[$done_pid]" "pid_of[$i]"
   [ $stopping -eq 0 ] || continue
   case $status in
-    0) finished=$((finished + 1)); continue ;;
-    2) refused=$((refused + 1)); echo "launch_actors: actor $prefix-$i was refused by the learner; not restarting" >&2; continue ;;
+    0) finished=$((finished + 1)); write_status running; continue ;;
+    2) refused=$((refused + 1)); write_status running
+       echo "launch_actors: actor $prefix-$i was refused by the learner; not restarting" >&2; continue ;;
   esac
+  restarts=$((restarts + 1))
+  write_status running
   # An actor that had been working is restarted at once; a crash loop backs off.
   (( SECONDS - started_at[$i] < 10 )) || backoff[$i]=1
   echo "launch_actors: actor $prefix-$i exited with $status; restarting in ${backoff[$i]} s" >&2
@@ -104,7 +122,9 @@ while [ ${#pid_of[@]} -gt 0 ]; do
   wait $sleep_pid 2>/dev/null
   sleep_pid=""
   start_actor "$i"
+  write_status running
   backoff[$i]=$(( backoff[$i] * 2 > 30 ? 30 : backoff[$i] * 2 ))
 done
-[ $refused -eq 0 ] || exit 2
+if [ $refused -gt 0 ]; then write_status refused; exit 2; fi
+write_status finished
 exit 0

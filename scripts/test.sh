@@ -17,6 +17,17 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 # With a browser here, its test must run, never skip.
 if command -v chromium >/dev/null 2>&1; then export SEEDRL_REQUIRE_BROWSER=1; fi
+# The multi-host test makes network namespaces (iproute2, root): where this
+# machine can, that test must run, never skip.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; } \
+    >/dev/null || echo "test: could not install iproute2" >&2
+fi
+probe="seedrl-probe-$$"
+if [ "$(id -u)" = 0 ] && ip netns add "$probe" 2>/dev/null; then
+  ip netns del "$probe"
+  export SEEDRL_REQUIRE_NETNS=1
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # pytest exits 5 when it collects no tests; set -e makes that a failure too.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 
@@ -20,6 +21,7 @@ from tests.fleet import (
 
 RUN_LOCAL = str(ROOT / "scripts" / "run_local.sh")
 LAUNCH_ACTORS = str(ROOT / "scripts" / "launch_actors.sh")
+LAUNCH_FLEET = str(ROOT / "scripts" / "launch_fleet.sh")
 
 
 @pytest.mark.parametrize(
@@ -106,6 +108,10 @@ def test_run_local_stops_every_process_on_sigterm(tmp_path):
     )
 
 
+def read_status(path) -> dict[str, str]:
+    return dict(field.split("=", 1) for field in path.read_text().split())
+
+
 def test_launch_actors_restarts_a_killed_actor(tmp_path):
     fleet = LearnerThread(learner_config("counting:v0", tmp_path / "run"), train=True).start()
     launcher = subprocess.Popen(
@@ -123,6 +129,8 @@ def test_launch_actors_restarts_a_killed_actor(tmp_path):
             "fleet",
             "--log-dir",
             str(tmp_path / "logs"),
+            "--status-file",
+            str(tmp_path / "state" / "status"),
         ],
         stderr=open(tmp_path / "launcher.log", "w"),  # noqa: SIM115 - the child owns it
         start_new_session=True,
@@ -143,10 +151,131 @@ def test_launch_actors_restarts_a_killed_actor(tmp_path):
         assert (
             "actor fleet-1 exited with 137; restarting" in (tmp_path / "launcher.log").read_text()
         )
+        status = read_status(tmp_path / "state" / "status")
+        assert status["state"] == "running" and status["pid"] == str(launcher.pid)
+        assert (status["actors"], status["alive"], status["restarts"]) == ("2", "2", "1")
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 130
+        status = read_status(tmp_path / "state" / "status")
+        assert (status["state"], status["alive"], status["restarts"]) == ("stopped", "0", "1")
         wait_until(lambda: not processes_matching(fleet.address), 30, "the actors to stop")
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
         fleet.stop()
+
+
+# -- launch_fleet.sh ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hosts", "args", "message"),
+    [
+        ("a 2\n", [], "--learner HOST:PORT is required"),
+        ("a 2\n", ["--learner", "h:1", "--transport", "rsh"], "must be ssh, netns or local"),
+        ("a 2\n", ["--learner", "h:1", "--name", "a/b"], "may hold only letters"),
+        ("a 2\n", ["--learner", "h:1", "--actors-per-host", "0"], "positive integer or auto"),
+        ("# only a comment\n\n", ["--learner", "h:1"], "no hosts in"),
+        ("a two\n", ["--learner", "h:1"], "hosts:1: ACTORS 'two'"),
+        ("a 1\nb 1 0\n", ["--learner", "h:1"], "hosts:2: ENVS '0'"),
+        ("a 1 2 3\n", ["--learner", "h:1"], "more than HOST ACTORS ENVS"),
+        ("a\nb\na 3\n", ["--learner", "h:1"], "hosts:3: host 'a' is listed twice"),
+    ],
+)
+def test_launch_fleet_checks_its_arguments_and_hosts_file(tmp_path, hosts, args, message):
+    (tmp_path / "hosts").write_text(hosts)
+    result = subprocess.run(
+        [LAUNCH_FLEET, "--hosts", str(tmp_path / "hosts"), "--transport", "local", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Usage:" in result.stderr
+
+
+def fleet_command(hosts_file, name: str, *args: str) -> list[str]:
+    return [LAUNCH_FLEET, "--hosts", str(hosts_file), "--transport", "local", "--name", name, *args]
+
+
+def host_lines(output: str) -> dict[str, str]:
+    """launch_fleet's per-host lines: host -> the rest of its first line."""
+    lines: dict[str, str] = {}
+    for line in output.splitlines():
+        host, _, rest = line.partition(" ")
+        if host in ("h1", "h2"):
+            lines.setdefault(host, rest.strip())
+    return lines
+
+
+def test_launch_fleet_starts_reports_and_stops_a_fleet(tmp_path):
+    fleet = LearnerThread(learner_config("counting:v0", tmp_path / "run"), train=True).start()
+    name = f"test-{os.getpid()}"
+    hosts_file = tmp_path / "hosts"
+    # h1 brings its own counts; h2 takes --actors-per-host and --num-envs.
+    hosts_file.write_text("h1 2 3   # two actors of 3 envs\nh2\n")
+    service = fleet.learner.service
+    try:
+        start = [
+            "--learner",
+            fleet.address,
+            "--env",
+            "counting:v0",
+            "--actors-per-host",
+            "1",
+            "--num-envs",
+            "2",
+            "--detach",
+            "--",
+            "--log-interval-s",
+            "1",
+        ]
+        started = subprocess.run(
+            fleet_command(hosts_file, name, *start), capture_output=True, text=True, timeout=60
+        )
+        assert started.returncode == 0, started.stdout + started.stderr
+        lines = host_lines(started.stdout)
+        assert lines["h1"].startswith("started 2 actors x 3 envs of counting:v0")
+        assert lines["h2"].startswith("started 1 actors x 2 envs of counting:v0")
+        wait_until(lambda: len(service.streams) == 3, 120, "3 actors")
+        envs = sorted((s.actor_id, s.num_envs) for s in service.streams.values())
+        assert envs == [("h1-0", 3), ("h1-1", 3), ("h2-0", 2)]
+
+        def status() -> dict[str, str]:
+            result = subprocess.run(
+                fleet_command(hosts_file, name, "--status"),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            return host_lines(result.stdout)
+
+        # Every actor has reported its rate (every second) to its log.
+        wait_until(
+            lambda: "streaming=2" in status()["h1"] and "streaming=1" in status()["h2"],
+            60,
+            "both hosts streaming",
+        )
+        report = status()
+        assert report["h1"].startswith("running alive=2/2 restarts=0")
+        assert report["h2"].startswith("running alive=1/1 restarts=0")
+        # A second start into the same fleet is refused and stops nothing.
+        again = subprocess.run(
+            fleet_command(hosts_file, name, *start), capture_output=True, text=True, timeout=60
+        )
+        assert again.returncode == 1 and "a fleet already runs" in again.stdout
+        assert len(service.streams) == 3
+
+        stopped = subprocess.run(
+            fleet_command(hosts_file, name, "--stop"), capture_output=True, text=True, timeout=60
+        )
+        assert stopped.returncode == 0
+        assert host_lines(stopped.stdout) == {"h1": "stopped", "h2": "stopped"}
+        wait_until(lambda: not processes_matching(fleet.address), 30, "the actors to stop")
+        report = status()
+        assert report["h1"].startswith("stopped alive=0/2")
+        assert report["h2"].startswith("stopped alive=0/1")
+    finally:
+        subprocess.run(fleet_command(hosts_file, name, "--stop"), capture_output=True, timeout=60)
+        fleet.stop()
+        shutil.rmtree(ROOT / "runs" / "fleets" / name, ignore_errors=True)
