@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Makes .venv match uv.lock, installing uv first if this machine has none.
-# Usage: scripts/setup.sh [--dev] [--bench] [--dashboard] [--eval] [--plot] [--football]
+# Usage: scripts/setup.sh [--dev] [--bench] [--dashboard] [--eval] [--plot] [--football] [--cuda]
 #   --dev: the test and codegen tools; --bench: the benchmark's plotting;
 #   --dashboard: TensorBoard; --eval: seedrl-eval's video; --plot: learning curves;
-#   --football: gfootball's Python dependencies (scripts/install_football.sh uses it)
+#   --football: gfootball's Python dependencies (scripts/install_football.sh uses it);
+#   --cuda: jax for NVIDIA GPUs, CUDA libraries included (the host needs only the driver)
 # Sourced by run_local.sh and test.sh; safe to run again (a no-op when in sync).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -12,8 +13,8 @@ UV_VERSION=0.13.9
 extras=()
 for flag in "$@"; do
   case "$flag" in
-    --dev|--bench|--dashboard|--eval|--plot|--football) extras+=(--extra "${flag#--}") ;;
-    *) echo "usage: $0 [--dev] [--bench] [--dashboard] [--eval] [--plot] [--football]" >&2; exit 2 ;;
+    --dev|--bench|--dashboard|--eval|--plot|--football|--cuda) extras+=(--extra "${flag#--}") ;;
+    *) echo "usage: $0 [--dev] [--bench] [--dashboard] [--eval] [--plot] [--football] [--cuda]" >&2; exit 2 ;;
   esac
 done
 
