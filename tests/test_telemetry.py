@@ -131,8 +131,8 @@ def test_actor_table_sums_an_actors_streams_and_measures_its_rate(monkeypatch):
     assert second["a"]["steps_per_s"] == pytest.approx(20 * 4)
 
 
-def offline_telemetry(run_dir: pathlib.Path, tensorboard: bool) -> Telemetry:
-    """A learner's telemetry with no learner and no HTTP server."""
+def offline_telemetry(run_dir: pathlib.Path, tensorboard: bool, http_port: int = -1) -> Telemetry:
+    """A learner's telemetry with no learner (and by default no HTTP server)."""
     return Telemetry(
         str(run_dir),
         LearnerStats(),
@@ -141,21 +141,12 @@ def offline_telemetry(run_dir: pathlib.Path, tensorboard: bool) -> Telemetry:
         {"frames_per_step": 1},
         tensorboard=tensorboard,
         http_address="127.0.0.1",
-        http_port=-1,
+        http_port=http_port,
     )
 
 
 def test_readiness_follows_the_learners_serving(tmp_path):
-    telemetry = Telemetry(
-        str(tmp_path),
-        LearnerStats(),
-        {},
-        lambda: 0,
-        {"frames_per_step": 1},
-        tensorboard=False,
-        http_address="127.0.0.1",
-        http_port=0,
-    )
+    telemetry = offline_telemetry(tmp_path, tensorboard=False, http_port=0)
     telemetry.start()
     try:
         # Compiling, not yet taking streams: alive but not ready.
