@@ -19,9 +19,14 @@ fi
 if command -v chromium >/dev/null 2>&1; then export SEEDRL_REQUIRE_BROWSER=1; fi
 # The multi-host test makes network namespaces (iproute2, root): where this
 # machine can, that test must run, never skip.
-if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; } \
-    >/dev/null || echo "test: could not install iproute2" >&2
+# launch_fleet.sh's ssh transport is tested against real sshd on those hosts.
+missing=()
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "test: installing Debian's ${missing[*]} for the multi-host tests" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+    >/dev/null || echo "test: could not install ${missing[*]}" >&2
 fi
 probe="seedrl-probe-$$"
 if [ "$(id -u)" = 0 ] && ip netns add "$probe" 2>/dev/null; then

@@ -9,8 +9,13 @@ and restored: the fleet must be whole again within 15 s, the other host's
 streams must never break, training must go on throughout, and the learner
 must lose nothing but the cut streams' partial unrolls.
 
+A second test runs launch_fleet.sh's default transport, ssh, from the
+learner host to real sshd daemons on the actor hosts (key authentication),
+and stops the fleet from a second command while the first one watches.
+
 Needs root (CAP_NET_ADMIN) and iproute2; skips saying so otherwise, unless
-SEEDRL_REQUIRE_NETNS=1 (scripts/test.sh sets it where namespaces work).
+SEEDRL_REQUIRE_NETNS=1 (scripts/test.sh sets it where namespaces work). The
+ssh test also needs sshd (openssh-server, which scripts/test.sh installs).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -166,11 +172,8 @@ def hosts():
         made.remove()
 
 
-@pytest.mark.slow
-def test_fleet_over_network_hosts_survives_a_cut_link(hosts, tmp_path):
-    cut_host, other_host = hosts.actors
-    fleet_name = f"netns-{uuid.uuid4().hex[:6]}"
-    state_root = ROOT / "runs" / "fleets" / fleet_name
+def start_learner(hosts: Hosts, tmp_path) -> tuple[LoggedProcess, LearnerView]:
+    """A CartPole learner on the learner host, serving once this returns."""
     learner = LoggedProcess(
         [
             "ip",
@@ -199,10 +202,6 @@ def test_fleet_over_network_hosts_survives_a_cut_link(hosts, tmp_path):
         ],
         tmp_path / "learner.log",
     )
-    hosts_file = tmp_path / "hosts"
-    # Hosts differ in their actor counts: 2 on the host to be cut, 1 on the other.
-    hosts_file.write_text(f"# the test's namespaces\n{cut_host} 2\n{other_host}   # default\n")
-    fleet = None
     view = LearnerView(hosts.learner)
     try:
         wait_until(
@@ -211,6 +210,32 @@ def test_fleet_over_network_hosts_survives_a_cut_link(hosts, tmp_path):
             "the learner to serve",
         )
         assert learner.process.poll() is None, learner.log()
+    except BaseException:
+        stop(learner)
+        raise
+    return learner, view
+
+
+def stop(process: LoggedProcess) -> None:
+    if process.process.poll() is None:
+        process.process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.mark.slow
+def test_fleet_over_network_hosts_survives_a_cut_link(hosts, tmp_path):
+    cut_host, other_host = hosts.actors
+    fleet_name = f"netns-{uuid.uuid4().hex[:6]}"
+    state_root = ROOT / "runs" / "fleets" / fleet_name
+    learner, view = start_learner(hosts, tmp_path)
+    hosts_file = tmp_path / "hosts"
+    # Hosts differ in their actor counts: 2 on the host to be cut, 1 on the other.
+    hosts_file.write_text(f"# the test's namespaces\n{cut_host} 2\n{other_host}   # default\n")
+    fleet = None
+    try:
         fleet = LoggedProcess(
             [
                 str(ROOT / "scripts" / "launch_fleet.sh"),
@@ -343,11 +368,7 @@ def test_fleet_over_network_hosts_survives_a_cut_link(hosts, tmp_path):
     finally:
         if fleet is not None and fleet.process.poll() is None:
             fleet.kill()
-        learner.process.send_signal(signal.SIGTERM)
-        try:
-            learner.wait(timeout_s=60)
-        except subprocess.TimeoutExpired:
-            learner.kill()
+        stop(learner)
         shutil.rmtree(state_root, ignore_errors=True)
 
 
@@ -362,3 +383,128 @@ def last_retry_s(actor_log) -> float:
         r"retrying in ([0-9.]+) s", actor_log.read_text() if actor_log.exists() else ""
     )
     return float(waits[-1]) if waits else 0.0
+
+
+# -- the ssh transport, against real sshd on the actor hosts ----------------------
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def start_sshd(ns: str, address: str, keys, log_path) -> subprocess.Popen:
+    """sshd on `address`:22 inside `ns`, taking only the test's key (for root)."""
+    config = keys / f"sshd-{ns}.conf"
+    config.write_text(
+        f"ListenAddress {address}\n"
+        f"HostKey {keys / 'host_key'}\n"
+        f"AuthorizedKeysFile {keys / 'authorized_keys'}\n"
+        f"PidFile {keys / f'sshd-{ns}.pid'}\n"
+        "PermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\n"
+        "UsePAM no\n"
+        "StrictModes no\n"
+    )
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def actor_pids(ns: str) -> list[str]:
+    """seedrl-actor processes in namespace `ns`."""
+    result = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+    found = []
+    for pid in result.stdout.split():
+        with contextlib.suppress(OSError):
+            if b"seedrl-actor" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(SSHD), reason="no sshd (Debian package openssh-server)")
+def test_launch_fleet_over_ssh_starts_watches_and_stops_the_hosts(hosts, tmp_path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("host_key", "client_key"):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True
+        )
+    (keys / "authorized_keys").write_text((keys / "client_key.pub").read_text())
+    first, second = (hosts.addresses[ns] for ns in hosts.actors)
+    daemons = [
+        start_sshd(ns, hosts.addresses[ns], keys, tmp_path / f"sshd-{ns}.log")
+        for ns in hosts.actors
+    ]
+    learner, view = start_learner(hosts, tmp_path)
+    fleet_name = f"ssh-{uuid.uuid4().hex[:6]}"
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(f"root@{first} 2\n{second}\n")
+    ssh_options = (
+        f"-i {keys / 'client_key'} -o StrictHostKeyChecking=no "
+        "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+    )
+    # The operator's machine is the learner host: launch_fleet runs there.
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        hosts.learner,
+        str(ROOT / "scripts" / "launch_fleet.sh"),
+        "--hosts",
+        str(hosts_file),
+        "--ssh-options",
+        ssh_options,
+        "--name",
+        fleet_name,
+    ]
+    fleet = None
+    try:
+        fleet = LoggedProcess(
+            [
+                *command,
+                "--learner",
+                f"{LEARNER_ADDRESS}:{GRPC_PORT}",
+                "--env",
+                ENV,
+                "--actors-per-host",
+                "1",
+                "--num-envs",
+                str(NUM_ENVS),
+                "--status-interval-s",
+                "2",
+                "--",
+                "--log-interval-s",
+                "1",
+            ],
+            tmp_path / "fleet.log",
+        )
+        wait_until(lambda: len(view.actors()) == 3, 120, "3 actors started over ssh")
+        rows = view.actors()
+        assert sorted(rows) == [f"{first}-0", f"{first}-1", f"{second}-0"]
+        for name, row in rows.items():
+            address = first if name.startswith(first) else second
+            assert row["peer"].startswith(f"ipv4:{address}:"), row
+        wait_until(
+            lambda: f"root@{first}" in fleet.log() and "streaming=2" in fleet.log(),
+            60,
+            "launch_fleet's status (over ssh) to show both actors of the first host streaming",
+        )
+        # Stopped from another shell: the watching launch_fleet sees every host
+        # stopped and exits.
+        stopped = subprocess.run([*command, "--stop"], capture_output=True, text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert stopped.stdout.count(" stopped") == 2, stopped.stdout
+        assert fleet.wait(timeout_s=60) == 0, fleet.log()
+        for ns in hosts.actors:
+            assert actor_pids(ns) == [], f"actors left on {ns}"
+    finally:
+        if fleet is not None and fleet.process.poll() is None:
+            fleet.kill()
+        for daemon in daemons:
+            daemon.kill()
+            daemon.wait(timeout=30)
+        stop(learner)
+        shutil.rmtree(ROOT / "runs" / "fleets" / fleet_name, ignore_errors=True)
