@@ -68,8 +68,17 @@ running_pid() {
   pid=$(cat "$pid_file" 2>/dev/null) || return 1
   [[ "$pid" =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
   # A recycled pid is not ours: ours runs launch_actors.sh.
-  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q launch_actors.sh || return 1
+  grep -qa launch_actors.sh "/proc/$pid/cmdline" 2>/dev/null || return 1
   echo "$pid"
+}
+
+# Actors left in the process group of a supervisor that died (kill -9, OOM).
+# The kernel reuses no pid while a group of that id has members, so they are ours.
+orphans() {
+  local pid
+  pid=$(cat "$pid_file" 2>/dev/null) || return 1
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  pgrep -g "$pid" -f seedrl-actor
 }
 
 field() { sed -n "s/.*\\b$1=\\([^ ]*\\).*/\\1/p" "$status_file" 2>/dev/null; }
@@ -78,9 +87,22 @@ case "$action" in
 start)
   [ -n "$learner" ] || fail "--learner HOST:PORT is required"
   if [ "$num_actors" = auto ]; then num_actors=$(nproc); fi
+  mkdir -p "$state_dir" || exit 1
+  # One start at a time per state directory (two commands racing on it).
+  exec 9>"$state_dir/start.lock"
+  flock -n 9 || { echo "fleet_host: another start in $state_dir is under way" >&2; exit 1; }
   if pid=$(running_pid); then
     echo "fleet_host: a fleet already runs from $state_dir (supervisor pid $pid); stop it first" >&2
     exit 1
+  fi
+  if pids=$(orphans); then
+    echo "fleet_host: actors of a fleet whose supervisor died still run from $state_dir" \
+      "(pids $(echo $pids)); stop them first" >&2
+    exit 1
+  fi
+  # The last run's logs stay readable, and its actors count no more in status.
+  if [ -d "$state_dir/actors" ]; then
+    rm -rf "$state_dir/actors.prev" && mv "$state_dir/actors" "$state_dir/actors.prev"
   fi
   mkdir -p "$state_dir/actors" || exit 1
   if [ $token_stdin -eq 1 ]; then
@@ -92,7 +114,7 @@ start)
   setsid "$root/scripts/launch_actors.sh" --learner "$learner" --num-actors "$num_actors" \
     --env "$env" --num-envs "$num_envs" --actor-prefix "$prefix" \
     --log-dir "$state_dir/actors" --status-file "$status_file" \
-    ${extra[@]+-- "${extra[@]}"} </dev/null >>"$state_dir/supervisor.log" 2>&1 &
+    ${extra[@]+-- "${extra[@]}"} </dev/null >>"$state_dir/supervisor.log" 2>&1 9>&- &
   pid=$!
   echo "$pid" >"$pid_file"
   # Arguments are checked before it writes its first status: wait for either.
@@ -135,6 +157,18 @@ status)
 
 stop)
   if ! pid=$(running_pid); then
+    if pids=$(orphans); then
+      # The supervisor died but its actors did not: they would retry forever.
+      pgid=$(cat "$pid_file")
+      kill -TERM -- "-$pgid" 2>/dev/null
+      for _ in $(seq $((timeout_s * 10))); do
+        pgrep -g "$pgid" >/dev/null || break
+        sleep 0.1
+      done
+      kill -KILL -- "-$pgid" 2>/dev/null
+      echo "stopped $(echo $pids | wc -w) actors left by a supervisor that died"
+      exit 0
+    fi
     echo "not running"
     exit 0
   fi

@@ -7,8 +7,10 @@
 #        scripts/launch_fleet.sh --hosts FILE --status | --stop [OPTIONS]
 #
 # FILE: one host per line, "HOST [ACTORS [ENVS]]"; '#' starts a comment.
-#   HOST is what the transport reaches (user@name for ssh, a namespace's name
-#   for netns); ACTORS and ENVS override --actors-per-host and --num-envs.
+#   HOST is what the transport reaches (name or user@name for ssh, IPv6 without
+#   brackets, ports in ~/.ssh/config; a namespace's name for netns); ACTORS and
+#   ENVS override --actors-per-host and --num-envs. Actor i of HOST is named
+#   LABEL-i, LABEL being HOST without its user@.
 # Options:
 #   --actors-per-host N|auto  actors on a host without its own count (auto: one per core)
 #   --env ENV_ID              the learner's env (default atari:Pong)
@@ -30,7 +32,8 @@
 # command line. TLS files (-- --tls-ca ...) are paths on the hosts.
 # Exits 0 when every host's actors finished (the learner ended training), 2
 # if the learner refused an actor, 1 if a host failed to start or its
-# supervisor died, 130 when stopped.
+# supervisor died, 130 when stopped (Ctrl-C here, or --stop from elsewhere).
+# --status exits the same way for the fleet's state as it is.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -79,11 +82,15 @@ if [[ $mode == run || $mode == detach ]]; then
   [[ "$env" == *:* ]] || fail "--env '$env' is not FAMILY:NAME (for instance atari:Pong)"
 fi
 
+# A host's name as a directory and actor-name prefix: no user@, nothing odd.
+label() { local h=${1#*@}; echo "${h//[^A-Za-z0-9._-]/_}"; }
+
 # The hosts file: HOST [ACTORS [ENVS]] per line.
 hosts=() actors_of=() envs_of=()
 line_no=0
 while IFS= read -r line || [ -n "$line" ]; do
   line_no=$((line_no + 1))
+  line=${line%$'\r'}
   line=${line%%#*}
   read -r host actors envs rest <<<"$line"
   [ -n "${host:-}" ] || continue
@@ -92,8 +99,10 @@ while IFS= read -r line || [ -n "$line" ]; do
     || fail "$hosts_file:$line_no: ACTORS '$actors' is not a positive integer or auto"
   [ -z "${envs:-}" ] || count_ok "$envs" \
     || fail "$hosts_file:$line_no: ENVS '$envs' is not a positive integer"
+  # Hosts share nothing if their labels differ: the label names state and actors.
   for seen in ${hosts[@]+"${hosts[@]}"}; do
-    [ "$seen" != "$host" ] || fail "$hosts_file:$line_no: host '$host' is listed twice"
+    [ "$(label "$seen")" != "$(label "$host")" ] \
+      || fail "$hosts_file:$line_no: host '$host' is '$seen' again (both are '$(label "$host")')"
   done
   hosts+=("$host")
   actors_of+=("${actors:-$per_host}")
@@ -101,15 +110,13 @@ while IFS= read -r line || [ -n "$line" ]; do
 done <"$hosts_file"
 [ ${#hosts[@]} -gt 0 ] || fail "no hosts in '$hosts_file'"
 
-# A host's name as a directory and actor-name prefix: no user@, nothing odd.
-label() { local h=${1#*@}; echo "${h//[^A-Za-z0-9._-]/_}"; }
-
 # remote HOST COMMAND_STRING: runs a shell command on HOST; stdin passes through.
 remote() {
   local host=$1 command="cd $(printf %q "$remote_dir") && $2"
   case "$transport" in
     # shellcheck disable=SC2086  # the options are words by design
-    ssh) ssh -o BatchMode=yes -o ConnectTimeout=10 $ssh_options -- "$host" "$command" ;;
+    ssh) ssh -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=5 \
+      -o ServerAliveCountMax=3 $ssh_options -- "$host" "$command" ;;
     netns) ip netns exec "$host" bash -c "$command" ;;
     local) bash -c "$command" ;;
   esac
@@ -121,7 +128,7 @@ state_dir_of() { echo "runs/fleets/$name/$(label "$1")"; }
 # default) at once; prints each host's output prefixed by its name; sets `ok`
 # and `failed` to the indices that succeeded and failed; returns 1 if any failed.
 on_every_host() {
-  local fn=$1 i out
+  local fn=$1 i out row
   shift
   local which=("$@")
   [ ${#which[@]} -gt 0 ] || which=("${!hosts[@]}")
@@ -134,7 +141,9 @@ on_every_host() {
   ok=() failed=()
   for i in "${which[@]}"; do
     if wait "${pid_of[$i]}"; then ok+=("$i"); else failed+=("$i"); fi
-    sed "s/^/$(printf '%-24s' "${hosts[$i]}") /" "$out/$i"
+    while IFS= read -r row || [ -n "$row" ]; do
+      printf '%-24s %s\n' "${hosts[$i]}" "$row"
+    done <"$out/$i"
   done
   rm -rf "$out"
   [ ${#failed[@]} -eq 0 ]
@@ -173,14 +182,16 @@ report() {
   lines=$(on_every_host status_host)
   echo "launch_fleet: $(date +%H:%M:%S) ${#hosts[@]} hosts"
   echo "$lines"
-  live=$(grep -c ' running ' <<<"$lines")
+  # An unreachable host may well be running: only final states end the watch.
+  live=$(grep -cE ' (running|unreachable)( |$)' <<<"$lines")
   worst=0
+  if grep -q ' stopped ' <<<"$lines"; then worst=130; fi
   if grep -qE ' (died|absent|unreachable)( |$)' <<<"$lines"; then worst=1; fi
   if grep -q ' refused ' <<<"$lines"; then worst=2; fi
 }
 
 case "$mode" in
-status) report; exit 0 ;;
+status) report; exit "$worst" ;;
 stop) on_every_host stop_host && exit 0; exit 1 ;;
 esac
 
@@ -189,7 +200,19 @@ if [ $setup -eq 1 ]; then
   on_every_host setup_host || { echo "launch_fleet: setup failed on some hosts" >&2; exit 1; }
 fi
 echo "launch_fleet: starting ${#hosts[@]} hosts ($transport) -> $learner"
-if ! on_every_host start_host; then
+# Ctrl-C while starting: let every start finish, then stop them all, so no
+# host is left running unwatched.
+interrupted=0
+trap 'interrupted=1' INT TERM
+on_every_host start_host
+started=$?
+if [ $interrupted -eq 1 ]; then
+  wait
+  echo "launch_fleet: interrupted while starting; stopping the fleet" >&2
+  on_every_host stop_host
+  exit 130
+fi
+if [ $started -ne 0 ]; then
   # Only what this command started: a fleet already running stays.
   echo "launch_fleet: ${#failed[@]} of ${#hosts[@]} hosts did not start;" \
     "stopping the ${#ok[@]} started here" >&2

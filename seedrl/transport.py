@@ -66,9 +66,10 @@ def server_options(
     """Options for the learner's server."""
     return [
         *_common_options(max_message_bytes, keepalive_interval_s, keepalive_timeout_s),
-        # Accept the actors' pings at any interval they may be set to (a ping is
-        # a few bytes); faster ones are sent away (GOAWAY too_many_pings).
-        ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_KEEPALIVE_INTERVAL_S * 1000)),
+        # Accept the actors' pings at any interval they may be set to, with room
+        # for timer jitter (a ping is a few bytes); faster ones are sent away
+        # (GOAWAY too_many_pings).
+        ("grpc.http2.min_ping_interval_without_data_ms", round(MIN_KEEPALIVE_INTERVAL_S * 500)),
         # Another learner on the same port must fail to start, not share the port.
         ("grpc.so_reuseport", 0),
     ]

@@ -24,13 +24,15 @@ from learner.learner import Learner
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls `condition` until it holds; fails the test after `timeout_s`."""
+def wait_until(
+    condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05
+) -> None:
+    """Polls `condition` every `interval_s` until it holds; fails the test after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval_s)
 
 
 class LearnerThread(BackgroundLearner):
