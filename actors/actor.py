@@ -32,7 +32,14 @@ from seedrl import security
 from seedrl.codec import StepCodec, WireError
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION
-from seedrl.transport import STREAM_PATH, channel_options, check_keepalive, parse_address
+from seedrl.transport import (
+    KEEPALIVE_INTERVAL_S,
+    KEEPALIVE_TIMEOUT_S,
+    STREAM_PATH,
+    channel_options,
+    check_keepalive,
+    parse_address,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +85,10 @@ class ActorConfig:
     backoff_max_s: float = 8.0
     """Longest wait between attempts: a learner that is back is found within about this
     long (plus jitter)."""
-    keepalive_interval_s: float = 20.0
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S
     """Seconds between pings to the learner; a link that died without closing is
     noticed within about interval + timeout, and the actor reconnects."""
-    keepalive_timeout_s: float = 10.0
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     """A ping unanswered for this long ends the connection."""
     give_up_after_s: float = 0.0
     """Exit (code 3) after this long without a learner; 0: retry forever."""

@@ -17,7 +17,7 @@ from typing import Literal
 import tyro
 
 from learner.networks import NetworkName
-from seedrl.transport import check_keepalive
+from seedrl.transport import KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S, check_keepalive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +122,11 @@ class LearnerConfig:
     stream_idle_timeout_s: float = 300.0
     """A stream that sends nothing for this long after its last reply is ended
     (DEADLINE_EXCEEDED) and its env slots freed."""
-    keepalive_interval_s: float = 20.0
+    keepalive_interval_s: float = KEEPALIVE_INTERVAL_S
     """Seconds between the learner's pings on each actor connection; with
     --keepalive-timeout-s it bounds how long a vanished actor host (cut link, lost
     machine) holds its env slots: about interval + timeout."""
-    keepalive_timeout_s: float = 10.0
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     """A ping unanswered for this long ends the connection and its streams."""
 
     # -- telemetry and checkpoints --------------------------------------------

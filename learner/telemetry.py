@@ -11,8 +11,8 @@ threads serves:
 - `/metrics`     Prometheus text format: counters read live from the learner's
                  stats, gauges from the latest record
 - `/healthz`     "ok" while the process answers (liveness)
-- `/readyz`      200 while the gRPC server takes actor streams, 503 before
-                 (compiling) and once stopping (readiness)
+- `/readyz`      200 while the gRPC server takes actor streams, 503 until
+                 it starts and once the learner stops (readiness)
 
 Nothing here runs per actor step: the server's only per-step work is a
 stream's step count and last-seen time, which it kept already or is one

@@ -156,32 +156,27 @@ status)
   ;;
 
 stop)
-  if ! pid=$(running_pid); then
-    if pids=$(orphans); then
-      # The supervisor died but its actors did not: they would retry forever.
-      pgid=$(cat "$pid_file")
-      kill -TERM -- "-$pgid" 2>/dev/null
-      for _ in $(seq $((timeout_s * 10))); do
-        pgrep -g "$pgid" >/dev/null || break
-        sleep 0.1
-      done
-      kill -KILL -- "-$pgid" 2>/dev/null
-      echo "stopped $(echo $pids | wc -w) actors left by a supervisor that died"
-      exit 0
-    fi
-    echo "not running"
-    exit 0
-  fi
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq $((timeout_s * 10))); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  if kill -0 "$pid" 2>/dev/null || pgrep -g "$pid" >/dev/null 2>&1; then
-    kill -KILL -- "-$pid" 2>/dev/null
-    echo "stopped (killed after ${timeout_s} s)"
+  # stop_group PGID TARGET: SIGTERM to TARGET, then up to --timeout-s for the
+  # process group PGID to empty; SIGKILL to what is left of it (and status 1).
+  stop_group() {
+    kill -TERM -- "$2" 2>/dev/null
+    for _ in $(seq $((timeout_s * 10))); do
+      pgrep -g "$1" >/dev/null || return 0
+      sleep 0.1
+    done
+    kill -KILL -- "-$1" 2>/dev/null
+    return 1
+  }
+  if pid=$(running_pid); then
+    # The supervisor stops its actors itself.
+    if stop_group "$pid" "$pid"; then echo "stopped"; else echo "stopped (killed after ${timeout_s} s)"; fi
+  elif pids=$(orphans); then
+    # The supervisor died but its actors did not: they would retry forever.
+    pgid=$(cat "$pid_file")
+    stop_group "$pgid" "-$pgid"
+    echo "stopped $(echo $pids | wc -w) actors left by a supervisor that died"
   else
-    echo "stopped"
+    echo "not running"
   fi
   ;;
 esac

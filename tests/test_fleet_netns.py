@@ -118,15 +118,20 @@ class Hosts:
 
     def remove(self) -> None:
         for ns in [*self.actors, self.learner]:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-            for pid in pids.stdout.split():
+            for pid in self.pids(ns):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
-    def pids(self, ns: str) -> list[str]:
+    def pids(self, ns: str, running: str = "") -> list[str]:
+        """Processes in namespace `ns` (whose command line holds `running`, if given)."""
         result = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-        return result.stdout.split()
+        found = []
+        for pid in result.stdout.split():
+            with contextlib.suppress(OSError):
+                if running.encode() in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+        return found
 
 
 FETCH = (
@@ -176,6 +181,25 @@ def hosts():
         yield made
     finally:
         made.remove()
+
+
+def fleet_start_flags(*actor_flags: str) -> list[str]:
+    """launch_fleet.sh's flags to start the test's fleet: 1 actor of NUM_ENVS envs per
+    host unless the hosts file says otherwise, a status line every 2 s."""
+    return [
+        "--learner",
+        f"{LEARNER_ADDRESS}:{GRPC_PORT}",
+        "--env",
+        ENV,
+        "--actors-per-host",
+        "1",
+        "--num-envs",
+        str(NUM_ENVS),
+        "--status-interval-s",
+        "2",
+        "--",
+        *actor_flags,
+    ]
 
 
 def start_learner(hosts: Hosts, tmp_path) -> tuple[LoggedProcess, LearnerView]:
@@ -247,24 +271,11 @@ def test_fleet_over_network_hosts_survives_a_cut_link(hosts, tmp_path):
                 str(ROOT / "scripts" / "launch_fleet.sh"),
                 "--hosts",
                 str(hosts_file),
-                "--learner",
-                f"{LEARNER_ADDRESS}:{GRPC_PORT}",
                 "--transport",
                 "netns",
-                "--actors-per-host",
-                "1",
-                "--env",
-                ENV,
-                "--num-envs",
-                str(NUM_ENVS),
                 "--name",
                 fleet_name,
-                "--status-interval-s",
-                "2",
-                "--",
-                *KEEPALIVE,
-                "--log-interval-s",
-                "2",
+                *fleet_start_flags(*KEEPALIVE, "--log-interval-s", "2"),
             ],
             tmp_path / "fleet.log",
         )
@@ -421,17 +432,6 @@ def start_sshd(ns: str, address: str, keys, log_path) -> subprocess.Popen:
     )
 
 
-def actor_pids(ns: str) -> list[str]:
-    """seedrl-actor processes in namespace `ns`."""
-    result = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-    found = []
-    for pid in result.stdout.split():
-        with contextlib.suppress(OSError):
-            if b"seedrl-actor" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(SSHD), reason="no sshd (Debian package openssh-server)")
 def test_launch_fleet_over_ssh_starts_watches_and_stops_the_hosts(hosts, tmp_path):
@@ -474,19 +474,7 @@ def test_launch_fleet_over_ssh_starts_watches_and_stops_the_hosts(hosts, tmp_pat
         fleet = LoggedProcess(
             [
                 *command,
-                "--learner",
-                f"{LEARNER_ADDRESS}:{GRPC_PORT}",
-                "--env",
-                ENV,
-                "--actors-per-host",
-                "1",
-                "--num-envs",
-                str(NUM_ENVS),
-                "--status-interval-s",
-                "2",
-                "--",
-                "--log-interval-s",
-                "1",
+                *fleet_start_flags("--log-interval-s", "1"),
             ],
             tmp_path / "fleet.log",
         )
@@ -508,7 +496,7 @@ def test_launch_fleet_over_ssh_starts_watches_and_stops_the_hosts(hosts, tmp_pat
         assert stopped.stdout.count(" stopped") == 2, stopped.stdout
         assert fleet.wait(timeout_s=60) == 130, fleet.log()
         for ns in hosts.actors:
-            assert actor_pids(ns) == [], f"actors left on {ns}"
+            assert hosts.pids(ns, running="seedrl-actor") == [], f"actors left on {ns}"
     finally:
         if fleet is not None and fleet.process.poll() is None:
             fleet.kill()

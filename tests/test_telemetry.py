@@ -149,7 +149,7 @@ def test_readiness_follows_the_learners_serving(tmp_path):
     telemetry = offline_telemetry(tmp_path, tensorboard=False, http_port=0)
     telemetry.start()
     try:
-        # Compiling, not yet taking streams: alive but not ready.
+        # The gRPC server not started yet: alive but not ready.
         assert fetch(telemetry.url + "healthz")[0] == 200
         assert fetch(telemetry.url + "readyz")[0] == 503
         telemetry.serving = True
