@@ -190,7 +190,9 @@ class _Torch:
                 eps=config.optimizer_epsilon,
                 momentum=config.rmsprop_momentum,
             )
-        batch = learning.Trajectories(*(torch.from_numpy(np.array(x)) for x in trajectories))
+        batch = learning.Trajectories(
+            *(None if x is None else torch.from_numpy(np.array(x)) for x in trajectories)
+        )
 
         def call() -> None:
             steps, batch_size = batch.actions.shape

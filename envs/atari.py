@@ -2,7 +2,8 @@
 
 The settings follow Machado et al. 2018 ("Revisiting the Arcade Learning
 Environment"), as gymnasium's ALE v5 envs do, and the usual DQN-style
-preprocessing. ale-py's AtariVectorEnv does the preprocessing in C++ threads;
+preprocessing, except that each env sends one 84x84 frame per step and the
+learner stacks the last four (EnvSpec.frame_stack, learner/frame_stack.py). ale-py's AtariVectorEnv does the preprocessing in C++ threads;
 its defaults differ from v5 (no sticky actions, reward clipping, fire on
 reset), so every setting below is passed on purpose. Rewards stay raw: the
 learner clips them for training and keeps the raw episode return for reports.
@@ -31,7 +32,7 @@ ATARI_SETTINGS: dict[str, Any] = {
     "img_width": 84,
     "grayscale": True,
     "maxpool": True,  # max over the last two frames of each skip (flicker)
-    "stack_num": 4,  # observation = the last 4 preprocessed frames
+    "stack_num": 4,  # the model sees the last 4 frames, stacked on the learner
     "episodic_life": False,  # an episode is a whole game, as in v5
     "use_fire_reset": False,  # v5 does not press FIRE on reset
     "reward_clipping": False,  # clipped on the learner; raw returns reported
@@ -71,18 +72,24 @@ class AtariVectorEnv:
         self.num_envs = num_envs
         self._seed = seed
         self._last: np.ndarray | None = None
+        chosen = {**ATARI_SETTINGS, **(settings or {})}
+        # The actor sends one frame per step; the learner keeps the stack (SEED RL's
+        # way, 4x fewer bytes on the wire), zero-padded at episode starts as ale-py's.
+        frame_stack = int(chosen.pop("stack_num"))
         self._env = AleVectorEnv(
             rom_name(name),
             num_envs,
             num_threads=num_threads,
             autoreset_mode="NextStep",
-            **{**ATARI_SETTINGS, **(settings or {})},
+            stack_num=1,
+            **chosen,
         )
         self.spec = EnvSpec(
             env_id=f"atari:{name}",
             observation=TensorSpec("uint8", self._env.single_observation_space.shape),
             action=ActionSpec(int(self._env.single_action_space.n)),
-            frames_per_step=ATARI_SETTINGS["frameskip"],
+            frames_per_step=chosen["frameskip"],
+            frame_stack=frame_stack,
         )
 
     def reset(self, seed: int | None = None) -> EnvStep:

@@ -157,6 +157,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
 
     from envs import registry
     from learner import checkpoint
+    from learner.frame_stack import FrameStacker
     from learner.networks import make_network
 
     run = _run_config(config.run_dir)
@@ -179,7 +180,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
         spec.action.num_actions,
         tuple(run.get("mlp_hidden_sizes", (64, 64))),
     )
-    example = np.zeros((1, *spec.observation.shape), spec.observation.np_dtype)
+    model_observation = spec.model_observation
+    example = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
     try:
         params, meta = checkpoint.load_params(
             config.run_dir, network.init(jax.random.key(0), example), config.checkpoint
@@ -209,13 +211,16 @@ def evaluate(config: EvalConfig) -> EvalResult:
     key = jax.random.key(config.seed)
     started = time.perf_counter()
     try:
+        stacker = FrameStacker(spec, num_envs)  # the learner's frame stacking, if any
         step = env.reset()
+        first = np.ones(num_envs, np.bool_)
         recording = video is not None
         if recording:
             video.add(env.render())
         while sum(played) < config.episodes:
-            actions, key = act(params, step.observations, key)
+            actions, key = act(params, stacker(step.observations, first), key)
             step = env.step(np.asarray(actions))
+            first = step.terminated | step.truncated  # the next observation starts anew
             running += step.rewards
             steps += 1
             if recording:

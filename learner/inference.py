@@ -1,10 +1,11 @@
 """The inference thread: batches in, actions out, unrolls on.
 
-It takes batches from the DynamicBatcher, copies their observations into a
-preallocated array padded to one of a few sizes (so XLA compiles a handful
-of programs, never one per batch size), runs the jitted policy with the
-newest parameters, and hands each stream its encoded reply. Then it appends
-the step to the UnrollStore and queues the unrolls that completed; when the
+It takes batches from the DynamicBatcher, has the UnrollStore take their
+observations and write what the policy sees (the observation, or the env's
+last S frames) into a preallocated array padded to one of a few sizes (so
+XLA compiles a handful of programs, never one per batch size), runs the
+jitted policy with the newest parameters, and hands each stream its encoded
+reply. Then it appends the step to the UnrollStore and queues the unrolls that completed; when the
 queue is full it waits, which holds back the actors (backpressure).
 """
 
@@ -76,7 +77,7 @@ class InferenceLoop:
         batcher: DynamicBatcher,
         store: UnrollStore,
         unrolls: queue.Queue,
-        observation_spec: TensorSpec,
+        model_observation: TensorSpec,
         deliver: Deliver,
         stats: LearnerStats,
         rng_key: jax.Array,
@@ -93,7 +94,7 @@ class InferenceLoop:
         self._key = rng_key
         self._sizes = padded_sizes(batcher.max_batch_envs)
         self._buffers = {
-            size: np.zeros((size, *observation_spec.shape), observation_spec.np_dtype)
+            size: np.zeros((size, *model_observation.shape), model_observation.np_dtype)
             for size in self._sizes
         }
         self._stop = threading.Event()
@@ -149,8 +150,14 @@ class InferenceLoop:
         observations = self._buffers[size]
         offset = 0
         for request in batch:
-            observations[offset : offset + request.num_envs] = request.step.observations
-            offset += request.num_envs
+            end = offset + request.num_envs
+            self._store.observe(
+                request.slots,
+                request.slot_owners,
+                request.step.observations,
+                observations[offset:end],
+            )
+            offset = end
 
         params, version = self._parameters.latest()
         step, self._key = self._policy_fn(params, observations, self._key)
@@ -169,7 +176,7 @@ class InferenceLoop:
         slots = np.concatenate([request.slots for request in batch])
         owners = np.concatenate([request.slot_owners for request in batch])
         step_of_batch = EnvStep(
-            observations=observations[:num_envs],
+            observations=None,  # the store has them from observe()
             rewards=np.concatenate([r.step.rewards for r in batch]),
             terminated=np.concatenate([r.step.terminated for r in batch]),
             truncated=np.concatenate([r.step.truncated for r in batch]),

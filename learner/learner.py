@@ -83,10 +83,13 @@ def loss_settings(config: LearnerConfig) -> learning.LossSettings:
 def example_trajectories(config: LearnerConfig, env_spec: EnvSpec) -> learning.Trajectories:
     """Zeros of the training batch's shapes, to compile the update ahead of time."""
     steps, batch = config.unroll_length + 1, config.batch_size
+    stack = env_spec.frame_stack
+    frames = config.unroll_length + stack
     return learning.Trajectories(
         observations=np.zeros(
-            (steps, batch, *env_spec.observation.shape), env_spec.observation.np_dtype
+            (frames, batch, *env_spec.observation.shape), env_spec.observation.np_dtype
         ),
+        frame_index=None if stack == 1 else np.zeros((steps, batch, stack), np.int32),
         actions=np.zeros((steps, batch), np.int32),
         behaviour_log_probs=np.zeros((steps, batch), np.float32),
         rewards=np.zeros((steps, batch), np.float32),
@@ -116,10 +119,11 @@ class Learner:
         self._loop: asyncio.AbstractEventLoop | None = None
 
         spec = self.env_spec
-        check_network_fits(config.network, spec.observation.dtype, spec.observation.shape)
+        model_observation = spec.model_observation
+        check_network_fits(config.network, model_observation.dtype, model_observation.shape)
         network = make_network(config.network, spec.action.num_actions, config.mlp_hidden_sizes)
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))
-        example_observation = np.zeros((1, *spec.observation.shape), spec.observation.np_dtype)
+        example_observation = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
         params = network.init(init_key, example_observation)
         self._schedule = learning_rate_schedule(config)
         optimizer = optimizer_for(config, self._schedule)
@@ -129,7 +133,10 @@ class Learner:
         self.parameters = ParameterSource(params, version=updates)
         self.unrolls: queue.Queue = queue.Queue(maxsize=config.unroll_queue_size)
         self.store = UnrollStore(
-            config.unroll_length, spec.observation, reward_clipping=config.reward_clipping
+            config.unroll_length,
+            spec.observation,
+            reward_clipping=config.reward_clipping,
+            frame_stack=spec.frame_stack,
         )
         self.batcher = DynamicBatcher(config.inference_batch_size, config.inference_timeout_s)
         self.service = LearnerService(
@@ -149,7 +156,7 @@ class Learner:
             batcher=self.batcher,
             store=self.store,
             unrolls=self.unrolls,
-            observation_spec=spec.observation,
+            model_observation=model_observation,
             deliver=self.service.deliver,
             stats=self.stats,
             rng_key=self._policy_key,

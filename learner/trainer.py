@@ -13,6 +13,7 @@ import numpy as np
 
 from learner.agents.vtrace.learning import TrainState, Trajectories
 from learner.checkpoint import Checkpointer
+from learner.frame_stack import frame_indices
 from learner.inference import ParameterSource
 from learner.stats import LearnerStats
 from learner.unroll_store import Unroll
@@ -21,13 +22,20 @@ logger = logging.getLogger(__name__)
 
 
 def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
-    """B unrolls of [T+1] steps -> time-major [T+1, B] trajectories, and their policy versions."""
+    """B unrolls of [T+1] steps -> time-major [T+1, B] trajectories, and their policy versions.
+
+    With frame stacking (unrolls of T+S frames) the observations stay frames,
+    [T+S, B, ...], and `frame_index` says which make each step's stack.
+    """
 
     def stack(field: str) -> np.ndarray:
         return np.stack([getattr(unroll, field) for unroll in unrolls], axis=1)
 
+    frames = stack("observations")
+    frame_stack = len(unrolls[0].observations) - len(unrolls[0].actions) + 1
     trajectories = Trajectories(
-        observations=stack("observations"),
+        observations=frames,
+        frame_index=None if frame_stack == 1 else frame_indices(stack("first"), frame_stack),
         actions=stack("actions"),
         behaviour_log_probs=stack("behaviour_log_probs"),
         rewards=stack("rewards"),

@@ -1,11 +1,16 @@
 """Learner-side assembly of unrolls, one env slot at a time.
 
-Every env of every connected actor owns a slot. After each inference batch
-the store appends, per slot, the observation, the action chosen for it, that
-action's log-probability, the reward and flags that came with the
-observation, and the policy version. When a slot holds T+1 steps it emits an
-unroll and keeps its last step as the first of the next one (the one-step
-overlap: the last step of an unroll is only bootstrapped from).
+Every env of every connected actor owns a slot. Before inference the store
+takes each slot's new observation and writes what the policy sees into the
+batch (`observe`): the observation itself, or with frame stacking (S > 1,
+see learner/frame_stack.py) the slot's last S frames. After inference it
+appends, per slot, the action chosen, that action's log-probability, the
+reward and flags that came with the observation, and the policy version
+(`append`). When a slot holds T+1 steps it emits an unroll and keeps its
+last step as the first of the next one (the one-step overlap: the last step
+of an unroll is only bootstrapped from). With S > 1 an unroll carries one
+frame per step and the S-1 frames before its first step, T+S in all; the
+trainer rebuilds the stacks on the device.
 
 A slot belongs to one stream (one run of one actor). When a stream ends its
 slots are freed and their partial unrolls dropped; a new run gets fresh slots
@@ -26,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from learner.frame_stack import window_validity
 from seedrl.codec import EnvStep
 from seedrl.specs import TensorSpec
 
@@ -36,7 +42,10 @@ class Unroll(NamedTuple):
     """T+1 consecutive steps of one env, in time order."""
 
     observations: np.ndarray
-    """[T+1, *observation_shape]."""
+    """[T+S, *observation_shape]: the S-1 frames before step 0 (S = frame_stack), then
+    one per step; [T+1, ...] without frame stacking."""
+    first: np.ndarray
+    """bool [T+S]: the observation at each position is the first of its episode."""
     actions: np.ndarray
     """int32 [T+1]."""
     behaviour_log_probs: np.ndarray
@@ -73,10 +82,16 @@ class UnrollStore:
         observation_spec: TensorSpec,
         initial_slots: int = 64,
         reward_clipping: str = "none",
+        frame_stack: int = 1,
     ):
-        """`reward_clipping` ("abs_one" or "none") is the training's, for clipped returns."""
+        """`observation_spec` is one step's observation as the actors send it;
+        `reward_clipping` ("abs_one" or "none") is the training's, for clipped returns;
+        `frame_stack` S: the policy sees each slot's last S observations."""
         if unroll_length < 1:
             raise ValueError(f"unroll_length must be at least 1, got {unroll_length}")
+        if frame_stack < 1:
+            raise ValueError(f"frame_stack must be at least 1, got {frame_stack}")
+        self.frame_stack = frame_stack
         if reward_clipping not in ("abs_one", "none"):
             raise ValueError(f"unknown reward_clipping {reward_clipping!r}")
         self.unroll_length = unroll_length
@@ -95,12 +110,14 @@ class UnrollStore:
     def _allocate_arrays(self, capacity: int) -> None:
         """Grows every per-slot array to `capacity` slots, keeping their contents."""
         steps = self.unroll_length + 1
+        frames = self.unroll_length + self.frame_stack
         layout = {  # name: (shape after the slot dimension, dtype, initial value)
             "_observations": (
-                (steps, *self._observation_spec.shape),
+                (frames, *self._observation_spec.shape),
                 self._observation_spec.np_dtype,
                 0,
             ),
+            "_first": ((frames,), np.bool_, True),
             "_actions": ((steps,), np.int32, 0),
             "_log_probs": ((steps,), np.float32, 0),
             "_rewards": ((steps,), np.float32, 0),
@@ -173,6 +190,36 @@ class UnrollStore:
 
     # -- steps --------------------------------------------------------------
 
+    def observe(
+        self, slots: np.ndarray, owners: np.ndarray, observations: np.ndarray, out: np.ndarray
+    ) -> None:
+        """Takes N slots' new observations and writes what the policy sees into `out`.
+
+        `observations` is [N, *observation_shape]; `out` is [N, S * shape[0], ...]
+        (or [N, *observation_shape] without stacking). Rows of slots whose owner
+        changed are zeros. Call `append` for the same slots after inference.
+        """
+        stack = self.frame_stack
+        num = len(slots)
+        if not out.flags.c_contiguous:
+            raise ValueError("observe() writes into a C-contiguous array only")
+        with self._lock:
+            live = self._owner[slots] == owners
+            position = self._length[slots] + (stack - 1)  # where the new frame goes
+            mine, at = slots[live], position[live]
+            self._observations[mine, at] = observations[live]
+            self._first[mine, at] = self._episode_start[mine]
+            window = position[:, None] + np.arange(1 - stack, 1)  # [N, S], oldest first
+            rows = slots[:, None] * self._observations.shape[1] + window
+            frames = self._observations.reshape(-1, *self._observation_spec.shape)
+            stacked = out.reshape(num, stack, *self._observation_spec.shape)
+            # Every row is in range; "clip" spares numpy's buffered copy of "raise".
+            np.take(frames, rows, axis=0, out=stacked, mode="clip")
+            if stack > 1 or not live.all():
+                valid = window_validity(self._first[slots[:, None], window]) & live[:, None]
+                if not valid.all():
+                    stacked[~valid] = 0
+
     def append(
         self,
         slots: np.ndarray,
@@ -184,6 +231,8 @@ class UnrollStore:
     ) -> tuple[list[Unroll], EpisodeStats]:
         """Appends one step for each of N slots; returns the unrolls completed.
 
+        The slots' observations came in `observe`, before inference; `step`
+        brings their rewards and flags (its observations are not read).
         `slots` and `owners` are int [N]; the arrays of `step` and `actions`,
         `log_probs` have N as leading dimension.
         """
@@ -191,10 +240,11 @@ class UnrollStore:
             live = self._owner[slots] == owners
             if not live.all():
                 slots = slots[live]
-                step = EnvStep(*(array[live] for array in step))
+                step = EnvStep(
+                    None, step.rewards[live], step.terminated[live], step.truncated[live]
+                )
                 actions, log_probs = actions[live], log_probs[live]
             position = self._length[slots]
-            self._observations[slots, position] = step.observations
             self._actions[slots, position] = actions
             self._log_probs[slots, position] = log_probs
             self._rewards[slots, position] = step.rewards
@@ -239,6 +289,7 @@ class UnrollStore:
         last = self.unroll_length
         unroll = Unroll(
             observations=self._copy_observations(slot),
+            first=self._first[slot].copy(),
             actions=self._actions[slot].copy(),
             behaviour_log_probs=self._log_probs[slot].copy(),
             rewards=self._rewards[slot].copy(),
@@ -247,8 +298,10 @@ class UnrollStore:
             policy_versions=self._versions[slot].copy(),
             owner=int(self._owner[slot]),
         )
+        # The next unroll starts with this one's last step and the S-1 frames before it.
+        for array in (self._observations, self._first):
+            array[slot, : self.frame_stack] = array[slot, last:]
         for array in (
-            self._observations,
             self._actions,
             self._log_probs,
             self._rewards,

@@ -104,3 +104,21 @@ class EnvSpec:
     action: ActionSpec
     frames_per_step: int = 1
     """Emulator frames per agent step (the frame skip), to report env frames."""
+    frame_stack: int = 1
+    """Observations the model sees at once: the learner keeps each env's last
+    `frame_stack` observations and concatenates them along the first axis, so
+    the actor sends one frame per step, not the stack (SEED RL's way)."""
+
+    def __post_init__(self) -> None:
+        if self.frame_stack < 1:
+            raise SpecError(f"frame_stack must be at least 1, got {self.frame_stack}")
+        if self.frame_stack > 1 and len(self.observation.shape) < 1:
+            raise SpecError("a stacked observation needs at least one dimension")
+
+    @property
+    def model_observation(self) -> TensorSpec:
+        """What the network takes for one env: `frame_stack` observations, concatenated."""
+        if self.frame_stack == 1:
+            return self.observation
+        first, *rest = self.observation.shape
+        return TensorSpec(self.observation.dtype, (self.frame_stack * first, *rest))

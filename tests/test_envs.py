@@ -27,7 +27,9 @@ def test_atari_names_map_to_shipped_roms():
 
 def test_atari_spec_and_settings_follow_machado_v5():
     spec = registry.spec("atari:Pong")
-    assert str(spec.observation) == "uint8[4,84,84]"
+    assert str(spec.observation) == "uint8[1,84,84]"  # one frame on the wire
+    assert spec.frame_stack == 4
+    assert str(spec.model_observation) == "uint8[4,84,84]"  # four on the learner
     assert spec.action.num_actions == 6  # Pong's minimal action set
     assert spec.frames_per_step == 4
     assert ATARI_SETTINGS["repeat_action_probability"] == 0.25
@@ -43,7 +45,7 @@ def test_atari_vector_env_truncates_then_resets_in_the_next_step():
     # A 40-frame limit: truncation after 10 agent steps of 4 frames.
     env = AtariVectorEnv("Pong", num_envs=2, seed=3, settings={"max_num_frames_per_episode": 40})
     first = env.reset(seed=3)
-    assert first.observations.shape == (2, 4, 84, 84)
+    assert first.observations.shape == (2, 1, 84, 84)
     assert first.observations.dtype == np.uint8
     for step_index in range(1, 11):
         step = env.step(np.zeros(2, np.int32))

@@ -20,6 +20,7 @@ from tests.fleet import wait_until
 def unroll(value: int, steps: int = 4, version: int = 0) -> Unroll:
     return Unroll(
         observations=np.full((steps, 2), value, np.float32),
+        first=np.zeros(steps, bool),
         actions=np.zeros(steps, np.int32),
         behaviour_log_probs=np.zeros(steps, np.float32),
         rewards=np.zeros(steps, np.float32),

@@ -11,6 +11,16 @@ from seedrl.specs import TensorSpec
 SPEC = TensorSpec("int32", (1,))
 
 
+def observe_and_append(store, slots, owners, step, actions, log_probs, policy_version):
+    """One step as the inference loop takes it: observe, (act), append; returns
+    append's result and what the policy was given."""
+    first, *rest = step.observations.shape[1:]
+    seen = np.empty((len(slots), store.frame_stack * first, *rest), step.observations.dtype)
+    store.observe(slots, owners, step.observations, seen)
+    unrolls, episodes = store.append(slots, owners, step, actions, log_probs, policy_version)
+    return unrolls, episodes, seen
+
+
 def feed(store, slots, owner, values, terminated=None, truncated=None, version=0):
     """Appends one step per slot whose observation is `values`."""
     count = len(slots)
@@ -20,14 +30,15 @@ def feed(store, slots, owner, values, terminated=None, truncated=None, version=0
         terminated=np.zeros(count, bool) if terminated is None else np.asarray(terminated),
         truncated=np.zeros(count, bool) if truncated is None else np.asarray(truncated),
     )
-    return store.append(
+    return observe_and_append(
+        store,
         slots,
         np.full(count, owner),
         step,
         actions=np.asarray(values, np.int32) % 5,
         log_probs=np.full(count, -0.5, np.float32),
         policy_version=version,
-    )
+    )[:2]
 
 
 def test_unrolls_overlap_by_one_step():
@@ -127,7 +138,8 @@ def test_recycled_observation_arrays_are_reused_and_overwritten_correctly():
     def step(value: float):
         observation = np.full((1, 2), value, np.float32)
         zeros = np.zeros(1, bool)
-        return store.append(
+        return observe_and_append(
+            store,
             slots,
             owners,
             EnvStep(observation, np.zeros(1, np.float32), zeros, zeros),
@@ -157,7 +169,8 @@ def test_clipped_returns_clip_each_reward_as_training_does():
         feed(store, slots, 1, [9])  # the first observation: its reward is not counted
         feed(store, slots, 1, [5])
         feed(store, slots, 1, [-3])
-        _, episodes = store.append(
+        _, episodes, _ = observe_and_append(
+            store,
             slots,
             np.array([1]),
             EnvStep(

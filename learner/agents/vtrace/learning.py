@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from learner.frame_stack import stack_frames
 from learner.networks import PolicyOutput
 from learner.ops.vtrace import vtrace
 
@@ -33,7 +34,7 @@ class Trajectories(NamedTuple):
     """A training batch, time-major [T+1, B]."""
 
     observations: jax.Array
-    """[T+1, B, *observation_shape]."""
+    """[T+1, B, *observation_shape], or with frame stacking the frames [T+S, B, ...]."""
     actions: jax.Array
     """int32 [T+1, B]: action taken at step t."""
     behaviour_log_probs: jax.Array
@@ -44,6 +45,9 @@ class Trajectories(NamedTuple):
     """bool [T+1, B]: x_t ends its episode; no bootstrapping from it."""
     truncated: jax.Array
     """bool [T+1, B]: x_t ends its episode by a time limit; bootstrap from V(x_t)."""
+    frame_index: jax.Array | None = None
+    """int32 [T+1, B, S]: the frames of each step's stack (learner/frame_stack.py),
+    or None when the observations are what the model sees."""
 
 
 class LossSettings(NamedTuple):
@@ -111,9 +115,10 @@ def loss_fn(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The IMPALA loss, averaged over the T x B transitions of the batch."""
     steps, batch_size = batch.actions.shape
-    flat_observations = batch.observations.reshape(
-        steps * batch_size, *batch.observations.shape[2:]
-    )
+    observations = batch.observations
+    if batch.frame_index is not None:
+        observations = stack_frames(observations, batch.frame_index)
+    flat_observations = observations.reshape(steps * batch_size, *observations.shape[2:])
     output = apply_fn(params, flat_observations)
     logits = output.logits.reshape(steps, batch_size, -1)[:-1]
     values = output.values.reshape(steps, batch_size)
