@@ -3,9 +3,10 @@
 The settings follow Machado et al. 2018 ("Revisiting the Arcade Learning
 Environment"), as gymnasium's ALE v5 envs do, and the usual DQN-style
 preprocessing, except that each env sends one 84x84 frame per step and the
-learner stacks the last four (EnvSpec.frame_stack, learner/frame_stack.py). ale-py's AtariVectorEnv does the preprocessing in C++ threads;
-its defaults differ from v5 (no sticky actions, reward clipping, fire on
-reset), so every setting below is passed on purpose. Rewards stay raw: the
+learner stacks the last four (EnvSpec.frame_stack, learner/frame_stack.py).
+ale-py's AtariVectorEnv does the preprocessing in C++ threads; its defaults
+differ from v5 (no sticky actions, reward clipping, fire on reset), so every
+setting below is passed on purpose. Rewards stay raw: the
 learner clips them for training and keeps the raw episode return for reports.
 """
 

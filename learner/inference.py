@@ -5,8 +5,9 @@ observations and write what the policy sees (the observation, or the env's
 last S frames) into a preallocated array padded to one of a few sizes (so
 XLA compiles a handful of programs, never one per batch size), runs the
 jitted policy with the newest parameters, and hands each stream its encoded
-reply. Then it appends the step to the UnrollStore and queues the unrolls that completed; when the
-queue is full it waits, which holds back the actors (backpressure).
+reply. Then it appends the step to the UnrollStore and queues the unrolls
+that completed; when the queue is full it waits, which holds back the actors
+(backpressure).
 """
 
 from __future__ import annotations

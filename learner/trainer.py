@@ -31,10 +31,9 @@ def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
     def stack(field: str) -> np.ndarray:
         return np.stack([getattr(unroll, field) for unroll in unrolls], axis=1)
 
-    frames = stack("observations")
     frame_stack = len(unrolls[0].observations) - len(unrolls[0].actions) + 1
     trajectories = Trajectories(
-        observations=frames,
+        observations=stack("observations"),
         frame_index=None if frame_stack == 1 else frame_indices(stack("first"), frame_stack),
         actions=stack("actions"),
         behaviour_log_probs=stack("behaviour_log_probs"),

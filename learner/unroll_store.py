@@ -91,10 +91,10 @@ class UnrollStore:
             raise ValueError(f"unroll_length must be at least 1, got {unroll_length}")
         if frame_stack < 1:
             raise ValueError(f"frame_stack must be at least 1, got {frame_stack}")
-        self.frame_stack = frame_stack
         if reward_clipping not in ("abs_one", "none"):
             raise ValueError(f"unknown reward_clipping {reward_clipping!r}")
         self.unroll_length = unroll_length
+        self.frame_stack = frame_stack
         self._clip_rewards = reward_clipping == "abs_one"
         self._observation_spec = observation_spec
         self._lock = threading.Lock()
