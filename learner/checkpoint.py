@@ -40,6 +40,14 @@ def checkpoint_dir(run_dir: str) -> str:
     return os.path.abspath(os.path.join(run_dir, CHECKPOINT_DIR))
 
 
+def this_process_only(ocp: Any) -> Any:
+    """orbax's options for a manager used by this process alone: with several learner
+    processes (jax.distributed) only process 0 writes, and orbax must not wait at its
+    barriers for processes that never call it."""
+    index = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=index, active_processes={index})
+
+
 class NoCheckpointError(FileNotFoundError):
     """The run directory has no complete checkpoint (or not the one asked for)."""
 
@@ -54,15 +62,17 @@ class Checkpointer:
         self.directory = checkpoint_dir(run_dir)
         self._interval_s = interval_s
         self._last_save = time.monotonic()
+        os.makedirs(self.directory, exist_ok=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=True,
-                create=True,
+                create=False,  # made below: orbax refuses to with active_processes
                 # What a crash mid-save left behind (never listed as a checkpoint) goes.
                 cleanup_tmp_directories=True,
                 todelete_subdir=TRASH_DIR,
+                multiprocessing_options=this_process_only(ocp),
             ),
         )
         self._empty_trash()
@@ -140,7 +150,10 @@ def _restore(run_dir: str, updates: int, **items: Any) -> dict[str, Any]:
         for name, example in items.items()
     }
     with ocp.CheckpointManager(
-        checkpoint_dir(run_dir), options=ocp.CheckpointManagerOptions(create=False)
+        checkpoint_dir(run_dir),
+        options=ocp.CheckpointManagerOptions(
+            create=False, multiprocessing_options=this_process_only(ocp)
+        ),
     ) as manager:
         return dict(manager.restore(updates, args=ocp.args.Composite(**args)))
 

@@ -16,6 +16,7 @@ from typing import Literal
 
 import tyro
 
+from learner.devices import requested_count
 from learner.networks import NetworkName
 from seedrl.transport import KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S, check_keepalive
 
@@ -55,7 +56,11 @@ class LearnerConfig:
     unroll_length: int = 20
     """T: transitions per unroll (an unroll holds T+1 steps, overlapping its successor by one)."""
     batch_size: int = 32
-    """Unrolls per gradient update."""
+    """Unrolls per gradient update, over all learner devices and processes (the global
+    batch); each of N learner processes collects batch_size / N of them."""
+    batch_size_per_device: int = 0
+    """When set, the global batch is this times the number of learner devices (all
+    processes), replacing --batch-size: the batch grows with the devices."""
     unroll_queue_size: int = 64
     """Most finished unrolls waiting for the trainer; when full, inference waits (backpressure)."""
 
@@ -66,11 +71,29 @@ class LearnerConfig:
     mlp_hidden_sizes: tuple[int, ...] = (64, 64)
     """Layer sizes of the mlp torso."""
 
+    # -- devices and hosts ---------------------------------------------------
+    learner_devices: str = "1"
+    """Devices the update runs on, split along the batch: a count of this host's devices (the
+    first N), "all", or their indices ("0,2"). On a CPU host a count makes that many CPU
+    devices. With several learner processes each uses the same local devices."""
+    inference_device: int = -1
+    """Index of this host's device that runs inference; -1: the first training device."""
+    coordinator_address: str = ""
+    """HOST:PORT of learner process 0, for a learner over several processes (hosts); empty:
+    JAX_COORDINATOR_ADDRESS, or a single process."""
+    num_processes: int = 0
+    """Learner processes in all (0: JAX_NUM_PROCESSES, or 1)."""
+    process_id: int = -1
+    """This learner process's index, 0..num_processes-1 (-1: JAX_PROCESS_ID)."""
+
     # -- optimisation --------------------------------------------------------
     optimizer: Literal["adam", "rmsprop"] = "adam"
     """Optimiser, after global-norm gradient clipping."""
     learning_rate: float = 4e-4
     """Step size at the start of training."""
+    learning_rate_base_batch: int = 0
+    """The linear scaling rule: when set, the step size is learning_rate x global batch /
+    this (the batch learning_rate was tuned for); 0: learning_rate as given."""
     learning_rate_decay: bool = True
     """Decay the learning rate linearly to 0 at total_env_steps."""
     optimizer_epsilon: float = 1e-5
@@ -168,6 +191,13 @@ class LearnerConfig:
             f"({self.batch_size}), or the trainer would wait forever",
         )
         require(self.learning_rate > 0, "learning_rate must be positive")
+        require(self.batch_size_per_device >= 0, "batch_size_per_device must not be negative")
+        require(
+            self.learning_rate_base_batch >= 0,
+            "learning_rate_base_batch must not be negative (0: no scaling)",
+        )
+        require(self.inference_device >= -1, "inference_device must be -1 or a device index")
+        requested_count(self.learner_devices)  # raises DeviceError, a ValueError, if malformed
         require(self.max_grad_norm > 0, "max_grad_norm must be positive")
         require(0.0 <= self.discount <= 1.0, f"discount {self.discount} is outside [0, 1]")
         require(

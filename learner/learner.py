@@ -24,6 +24,7 @@ import grpc.aio
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from envs import registry
 from learner import checkpoint
@@ -31,6 +32,7 @@ from learner.agents.vtrace import learning
 from learner.batcher import DynamicBatcher
 from learner.checkpoint import Checkpointer
 from learner.config import LearnerConfig
+from learner.devices import DeviceError, Placement, digest, prepare_cpu_devices, select_devices
 from learner.inference import InferenceLoop, ParameterSource
 from learner.metrics import MetricsLogger
 from learner.networks import check_network_fits, make_network
@@ -48,13 +50,32 @@ logger = logging.getLogger(__name__)
 COMPLETION_CHECK_S = 0.25
 
 
-def learning_rate_schedule(config: LearnerConfig) -> optax.Schedule:
+def global_batch_size(config: LearnerConfig, device_count: int) -> int:
+    """Unrolls per update over every learner device (and process)."""
+    if config.batch_size_per_device:
+        return config.batch_size_per_device * device_count
+    return config.batch_size
+
+
+def scaled_learning_rate(config: LearnerConfig, global_batch: int) -> float:
+    """--learning-rate, scaled linearly with the global batch when --learning-rate-base-batch
+    says what batch it was tuned for (Goyal et al. 2017)."""
+    if not config.learning_rate_base_batch:
+        return config.learning_rate
+    return config.learning_rate * global_batch / config.learning_rate_base_batch
+
+
+def learning_rate_schedule(
+    config: LearnerConfig, global_batch: int | None = None
+) -> optax.Schedule:
+    global_batch = global_batch or config.batch_size
+    learning_rate = scaled_learning_rate(config, global_batch)
     if not config.learning_rate_decay:
-        return optax.constant_schedule(config.learning_rate)
-    total_updates = max(1, config.total_env_steps // (config.unroll_length * config.batch_size))
+        return optax.constant_schedule(learning_rate)
+    total_updates = max(1, config.total_env_steps // (config.unroll_length * global_batch))
     # The schedule's step count is an int32 on the device.
     total_updates = min(total_updates, 2**31 - 1)
-    return optax.linear_schedule(config.learning_rate, 0.0, total_updates)
+    return optax.linear_schedule(learning_rate, 0.0, total_updates)
 
 
 def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -80,9 +101,12 @@ def loss_settings(config: LearnerConfig) -> learning.LossSettings:
     )
 
 
-def example_trajectories(config: LearnerConfig, env_spec: EnvSpec) -> learning.Trajectories:
-    """Zeros of the training batch's shapes, to compile the update ahead of time."""
-    steps, batch = config.unroll_length + 1, config.batch_size
+def example_trajectories(
+    config: LearnerConfig, env_spec: EnvSpec, batch: int | None = None
+) -> learning.Trajectories:
+    """Zeros of the training batch's shapes (`batch` unrolls, default --batch-size), to compile
+    the update ahead of time."""
+    steps, batch = config.unroll_length + 1, batch or config.batch_size
     stack = env_spec.frame_stack
     frames = config.unroll_length + stack
     return learning.Trajectories(
@@ -121,16 +145,22 @@ class Learner:
         spec = self.env_spec
         model_observation = spec.model_observation
         check_network_fits(config.network, model_observation.dtype, model_observation.shape)
+        self.placement = self._place()
         network = make_network(config.network, spec.action.num_actions, config.mlp_hidden_sizes)
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))
         example_observation = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
         params = network.init(init_key, example_observation)
-        self._schedule = learning_rate_schedule(config)
+        self._schedule = learning_rate_schedule(config, self.global_batch)
         optimizer = optimizer_for(config, self._schedule)
         settings = loss_settings(config)
         params, opt_state, updates = self._initial_state(params, optimizer.init(params))
         state = learning.TrainState(params, opt_state, jax.numpy.int32(updates))
-        self.parameters = ParameterSource(params, version=updates)
+        if self.placement.process_count > 1:
+            # Whatever each process found in its run directory, all start from process 0's.
+            state = multihost_utils.broadcast_one_to_all(state)
+            updates = int(state.updates)
+        state = self.placement.put_state(state)
+        self.parameters = ParameterSource(self.placement.local_copy(state.params), version=updates)
         self.unrolls: queue.Queue = queue.Queue(maxsize=config.unroll_queue_size)
         self.store = UnrollStore(
             config.unroll_length,
@@ -163,18 +193,22 @@ class Learner:
             on_failure=self._fail,
         )
         self.trainer = Trainer(
-            update_fn=learning.make_update_fn(network.apply, optimizer, settings),
+            update_fn=learning.make_update_fn(network.apply, optimizer, settings, self.placement),
             state=state,
             unrolls=self.unrolls,
-            batch_size=config.batch_size,
+            batch_size=self.local_batch,
+            placement=self.placement,
             parameters=self.parameters,
             stats=self.stats,
             learning_rate=self._schedule,
             on_failure=self._fail,
             recycle=self.store.recycle,
+            # Parameters are identical on every process: only process 0 writes them.
             checkpointer=Checkpointer(
                 self.run_dir, config.checkpoint_interval_s, config.checkpoints_to_keep
-            ),
+            )
+            if self.placement.is_primary
+            else None,
             checkpoint_meta=lambda: {
                 "rng_key": jax.random.key_data(self.inference.rng_key).tolist()
             },
@@ -202,6 +236,41 @@ class Learner:
                 else self.stats.counters()["env_steps"] * spec.frames_per_step
             ),
         )
+
+    def _place(self) -> Placement:
+        """The training devices, inference's device, and the batch each process collects."""
+        config = self.config
+        prepare_cpu_devices(config.learner_devices, config.inference_device)
+        local = select_devices(config.learner_devices)
+        inference = None
+        if config.inference_device >= 0:
+            available = jax.local_devices()
+            if config.inference_device >= len(available):
+                raise DeviceError(
+                    f"--inference-device {config.inference_device}: this host has "
+                    f"{len(available)} devices"
+                )
+            inference = available[config.inference_device]
+        placement = Placement(local, inference)
+        self.global_batch = global_batch_size(config, placement.device_count)
+        if self.global_batch % placement.device_count:
+            raise DeviceError(
+                f"the global batch of {self.global_batch} unrolls does not split evenly over "
+                f"{placement.device_count} learner devices; make it a multiple"
+            )
+        self.local_batch = self.global_batch // placement.process_count
+        if config.unroll_queue_size < self.local_batch:
+            raise DeviceError(
+                f"--unroll-queue-size {config.unroll_queue_size} must hold this process's "
+                f"share of the batch ({self.local_batch} unrolls)"
+            )
+        logger.info(
+            "training on %s; %d unrolls per update (%d from this process)",
+            placement.describe(),
+            self.global_batch,
+            self.local_batch,
+        )
+        return placement
 
     def _initial_state(self, params: Any, opt_state: Any) -> tuple[Any, Any, int]:
         """Resumes the run directory's newest checkpoint, or starts from --init-checkpoint's
@@ -244,7 +313,7 @@ class Learner:
     def compile(self) -> None:
         """Compiles inference for every padded batch size and the update, before serving."""
         self.inference.warm_up()
-        self.trainer.warm_up(example_trajectories(self.config, self.env_spec))
+        self.trainer.warm_up(example_trajectories(self.config, self.env_spec, self.local_batch))
 
     async def run(self, ready: asyncio.Event | None = None, train: bool = True) -> int:
         """Serves and trains until total_env_steps, a signal, or a failure; the exit code.
@@ -349,6 +418,18 @@ class Learner:
                     break
         finally:
             watchdog.cancel()
+            if train and self.trainer.coordinated and self._failure is None:
+                # The other learner processes may be waiting in an all-reduce for this
+                # one's share: serve and train on until all agree to stop after one update.
+                logger.info("waiting for the other learner processes to agree to stop")
+                self.trainer.request_stop()
+                await asyncio.to_thread(self.trainer.join)
+                finished = finished or self.trainer.agreed_stop.is_set()
+            logger.info(
+                "final parameters: update %d, sha256 %s",
+                self.parameters.version,
+                digest(self.parameters.latest()[0]),
+            )
             await self._shutdown(server, finished)
             self._log(metrics)
             metrics.close()
@@ -368,7 +449,11 @@ class Learner:
 
     def _completion(self) -> str:
         """Why training is complete, or "" while it is not."""
+        if self.trainer.agreed_stop.is_set():
+            return "the learner processes agreed to stop"
         env_steps, returns = self.stats.progress()
+        # Each of N learner processes counts its own actors' steps: 1/N of the total each.
+        env_steps *= self.placement.process_count
         if env_steps >= self.config.total_env_steps:
             return f"reached {env_steps} of {self.config.total_env_steps} env steps"
         target = self.config.stop_at_return

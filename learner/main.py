@@ -22,12 +22,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     # orbax narrates every checkpoint at INFO through absl; learner.checkpoint says
     # what matters in one line.
     logging.getLogger("absl").setLevel(logging.WARNING)
+    from learner import devices
     from learner.checkpoint import NoCheckpointError
     from learner.learner import Learner
     from learner.networks import NetworkMismatch
 
     try:
+        # Both before JAX starts its backend: the CPU device count, the other processes.
+        devices.prepare_cpu_devices(config.learner_devices, config.inference_device)
+        devices.initialize_distributed(
+            devices.distributed_settings(
+                config.coordinator_address, config.num_processes, config.process_id
+            )
+        )
         learner = Learner(config)
+    except devices.DeviceError as error:
+        logging.getLogger("learner").error("%s", error)
+        sys.exit(2)
     except NoCheckpointError as error:
         logging.getLogger("learner").error("--init-checkpoint: %s", error)
         sys.exit(2)

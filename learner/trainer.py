@@ -13,6 +13,7 @@ import numpy as np
 
 from learner.agents.vtrace.learning import TrainState, Trajectories
 from learner.checkpoint import Checkpointer
+from learner.devices import Placement
 from learner.frame_stack import frame_indices
 from learner.inference import ParameterSource
 from learner.stats import LearnerStats
@@ -59,12 +60,14 @@ class Trainer:
         stats: LearnerStats,
         learning_rate: Callable[[int], float],
         on_failure: Callable[[BaseException], None],
+        placement: Placement | None = None,
         recycle: Callable[[list[Unroll]], None] | None = None,
         checkpointer: Checkpointer | None = None,
         checkpoint_meta: Callable[[], dict] | None = None,
         max_nonfinite_updates: int = 10,
     ):
-        """`recycle` takes back the unrolls of each batch once it is stacked;
+        """`batch_size` is this process's share of the batch; `placement` the devices it is
+        trained on (default: one). `recycle` takes back the unrolls of each batch once it is stacked;
         `checkpointer` saves the state between updates when one is due, with the
         counters and whatever `checkpoint_meta` adds; after `max_nonfinite_updates`
         skipped (non-finite) updates in a row the trainer fails with NonFiniteLoss."""
@@ -77,6 +80,10 @@ class Trainer:
         self._update_fn = update_fn
         self._unrolls = unrolls
         self._batch_size = batch_size
+        self._placement = placement or Placement(jax.local_devices()[:1])
+        self._agree_to_stop = self._placement.agree_to_stop()
+        self._stop_requested = threading.Event()
+        self.agreed_stop = threading.Event()
         self._parameters = parameters
         self._stats = stats
         self._learning_rate = learning_rate
@@ -86,7 +93,25 @@ class Trainer:
 
     def warm_up(self, example: Trajectories) -> None:
         """Compiles the update on a batch of the right shapes (the result is discarded)."""
-        jax.block_until_ready(self._update_fn(self.state, example))
+        batch = self._placement.put_batch(example)
+        jax.block_until_ready(self._update_fn(self.state, batch))
+
+    @property
+    def coordinated(self) -> bool:
+        """Whether other learner processes train in step with this one (multi-host)."""
+        return self._placement.process_count > 1
+
+    def request_stop(self) -> None:
+        """Multi-host: stop after the update at which every process agrees to (the others may
+        be waiting in an all-reduce for this one's share); keep serving until `agreed_stop`.
+        A single process simply stops."""
+        if not self.coordinated:
+            self.stop()
+        self._stop_requested.set()
+
+    def join(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join()
 
     def start(self) -> None:
         self._thread.start()
@@ -101,6 +126,11 @@ class Trainer:
         batch: list[Unroll] = []
         while len(batch) < self._batch_size:
             if self._stop.is_set():
+                if self.coordinated:
+                    logger.warning(
+                        "this learner process stops outside an agreed update; the others "
+                        "wait for its share of the batch until they are stopped too"
+                    )
                 return None
             try:
                 batch.append(self._unrolls.get(timeout=0.1))
@@ -121,6 +151,13 @@ class Trainer:
                 self._stats.add_time("training", time.perf_counter() - started)
                 if self._checkpointer is not None and self._checkpointer.due():
                     self.save_checkpoint()
+                if self.coordinated and self._agree_to_stop(self._stop_requested.is_set()):
+                    logger.info(
+                        "the learner processes agreed to stop after update %d",
+                        int(self.state.updates),
+                    )
+                    self.agreed_stop.set()
+                    return
         except NonFiniteLoss as error:
             logger.error("the trainer stops: %s", error)
             self._on_failure(error)
@@ -137,9 +174,11 @@ class Trainer:
         meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"]}
         if self._checkpoint_meta is not None:
             meta.update(self._checkpoint_meta())
-        self._checkpointer.save(
-            int(self.state.updates), self.state.params, self.state.opt_state, meta
-        )
+        params, opt_state = self.state.params, self.state.opt_state
+        if self.coordinated:
+            # Arrays spanning processes: this process's replica, as host arrays.
+            params, opt_state = jax.device_get(self._placement.local_copy((params, opt_state)))
+        self._checkpointer.save(int(self.state.updates), params, opt_state, meta)
 
     def _skip(self, metrics: dict[str, float]) -> None:
         """An update whose loss or gradient was not finite: nothing of it was applied."""
@@ -170,14 +209,14 @@ class Trainer:
         if self._recycle is not None:
             self._recycle(batch)  # stacked: nothing refers to them any more
         version = int(self.state.updates)
-        self.state, metrics = self._update_fn(self.state, trajectories)
+        self.state, metrics = self._update_fn(self.state, self._placement.put_batch(trajectories))
         metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
         if not metrics.pop("finite"):
             self._skip(metrics)
             return
         self._nonfinite_in_a_row = 0
         new_version = version + 1
-        self._parameters.publish(self.state.params, new_version)
+        self._parameters.publish(self._placement.local_copy(self.state.params), new_version)
         metrics["learning_rate"] = float(self._learning_rate(version))
         # Lag: updates between the parameters that acted and those that learnt from it.
         lag = version - versions[:-1]

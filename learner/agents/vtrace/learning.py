@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from learner.devices import Placement
 from learner.frame_stack import stack_frames
 from learner.networks import PolicyOutput
 from learner.ops.vtrace import vtrace
@@ -180,8 +181,16 @@ def make_update_fn(
     apply_fn: ApplyFn,
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
+    placement: Placement | None = None,
 ) -> Callable[[TrainState, Trajectories], tuple[TrainState, dict[str, jax.Array]]]:
     """One jitted gradient step: (state, batch) -> (new state, metrics).
+
+    On several devices (`placement`, learner/devices.py) each device computes
+    the loss of its share of the batch; the gradients and metrics are averaged
+    over the devices (an all-reduce) before the optimizer step, so every
+    device applies the same step: the global batch's mean gradient, as one
+    device would compute it (the shares are equal, so the mean of the shares'
+    means is the global mean).
 
     A step whose loss or gradient is not finite changes nothing (the state
     comes back as it went in) and says so in `metrics["finite"]`: one NaN
@@ -189,7 +198,20 @@ def make_update_fn(
     """
 
     def update(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, apply_fn, batch, settings)
+        if axis is None:
+            grads, metrics = jax.grad(loss_fn, has_aux=True)(
+                state.params, apply_fn, batch, settings
+            )
+        else:
+            # In shard_map the gradient of the replicated parameters comes back summed over
+            # the devices (the transpose of their broadcast is a psum: the all-reduce), so
+            # each device's loss is divided by their number to make the sum the mean.
+            def share_of_loss(params):
+                total, metrics = loss_fn(params, apply_fn, batch, settings)
+                return total / jax.lax.axis_size(axis), metrics
+
+            grads, metrics = jax.grad(share_of_loss, has_aux=True)(state.params)
+            metrics = jax.lax.pmean(metrics, axis)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
@@ -200,7 +222,11 @@ def make_update_fn(
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), stepped, state)
         return kept, metrics
 
-    return jax.jit(update)
+    if placement is None or not placement.sharded:
+        axis = None
+        return jax.jit(update)
+    axis = placement.axis_name
+    return placement.jit_sharded(update)
 
 
 class PolicyStep(NamedTuple):

@@ -1,0 +1,123 @@
+"""One V-trace update on N devices against the same update on one (run as a subprocess).
+
+`python -m tests.multidevice_check N NETWORK` needs N devices (on CPU:
+XLA_FLAGS=--xla_force_host_platform_device_count=N, set by the test). It
+builds the learner's real update for the atari or classic preset, applies it
+to one random batch on device 0 alone and on a mesh of N devices (the batch
+split, the state replicated), and prints JSON: the relative differences of
+the gradient, of the parameter change and of the loss, and where the sharded
+arrays lived.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from learner.agents.vtrace import learning
+from learner.config import PRESETS
+from learner.devices import Placement
+from learner.learner import learning_rate_schedule, loss_settings, optimizer_for
+from learner.networks import make_network
+
+
+def random_batch(network: str, steps: int, batch: int, rng: np.random.Generator):
+    shape = (steps + 1, batch)
+    if network == "nature_cnn":
+        stack = 4
+        frames = rng.integers(0, 256, (steps + stack, batch, 1, 84, 84), dtype=np.uint8)
+        first = rng.random((steps + stack, batch)) < 0.05
+        from learner.frame_stack import frame_indices
+
+        extra = {"frame_index": frame_indices(first, stack)}
+        num_actions, example = 6, np.zeros((1, 4, 84, 84), np.uint8)
+    else:
+        frames = rng.normal(size=(*shape, 4)).astype(np.float32)
+        extra, num_actions, example = {}, 2, np.zeros((1, 4), np.float32)
+    trajectories = learning.Trajectories(
+        observations=frames,
+        actions=rng.integers(0, num_actions, shape).astype(np.int32),
+        behaviour_log_probs=np.log(rng.uniform(0.2, 0.9, shape)).astype(np.float32),
+        rewards=rng.normal(size=shape).astype(np.float32),
+        terminated=rng.random(shape) < 0.05,
+        truncated=rng.random(shape) < 0.02,
+        **extra,
+    )
+    return trajectories, num_actions, example
+
+
+def relative(a, b) -> float:
+    """||a - b|| / ||b|| over every leaf of two trees."""
+    diff = sum(
+        float(jnp.sum(jnp.square(x - y)))
+        for x, y in zip(*map(jax.tree.leaves, (a, b)), strict=True)
+    )
+    norm = sum(float(jnp.sum(jnp.square(y))) for y in jax.tree.leaves(b))
+    return (diff / max(norm, 1e-30)) ** 0.5
+
+
+def main(count: int, network_name: str) -> dict:
+    preset = "atari" if network_name == "nature_cnn" else "classic"
+    config = PRESETS[preset]
+    steps, batch = (5, 8) if network_name == "nature_cnn" else (10, 16)
+    trajectories, num_actions, example = random_batch(
+        network_name, steps, batch, np.random.default_rng(0)
+    )
+    network = make_network(network_name, num_actions, config.mlp_hidden_sizes)
+    params = network.init(jax.random.key(0), example)
+    optimizers = {
+        # The preset's optimizer (Adam: its first step is nearly the gradient's sign) ...
+        "update": optimizer_for(config, learning_rate_schedule(config, batch)),
+        # ... and plain SGD, whose step is the (all-reduced) gradient itself.
+        "gradient": optax.sgd(1.0),
+    }
+    settings = loss_settings(config)
+
+    results = {}
+    for name, devices in (("one", jax.devices()[:1]), ("many", jax.devices()[:count])):
+        placement = Placement(devices)
+        results[name] = {}
+        for kind, optimizer in optimizers.items():
+            state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+            update = learning.make_update_fn(network.apply, optimizer, settings, placement)
+            placed_batch = placement.put_batch(trajectories)
+            new_state, metrics = update(placement.put_state(state), placed_batch)
+            results[name][kind] = jax.tree.map(
+                lambda new, old: np.asarray(new) - np.asarray(old),
+                jax.device_get(new_state.params),
+                jax.device_get(params),
+            )
+        results[name].update(
+            loss=float(metrics["loss"]),
+            grad_norm=float(metrics["grad_norm"]),
+            # Where each device's share of the batch went, and where the state lives.
+            batch_shards=sorted(
+                {
+                    (str(shard.device), shard.data.shape[1])
+                    for leaf in jax.tree.leaves(jax.device_put(placed_batch))
+                    for shard in leaf.addressable_shards
+                }
+            ),
+            state_devices=len(jax.tree.leaves(new_state.params)[0].devices()),
+            updates=int(new_state.updates),
+        )
+    one, many = results["one"], results["many"]
+    return {
+        "batch_shards_one": one["batch_shards"],
+        "batch_shards_many": many["batch_shards"],
+        "state_devices": [one["state_devices"], many["state_devices"]],
+        "grad_norm_relative": abs(many["grad_norm"] - one["grad_norm"]) / one["grad_norm"],
+        "update_relative": relative(many["update"], one["update"]),
+        "gradient_relative": relative(many["gradient"], one["gradient"]),
+        "loss_relative": abs(many["loss"] - one["loss"]) / abs(one["loss"]),
+        "updates": [one["updates"], many["updates"]],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2])))
