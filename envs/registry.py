@@ -19,6 +19,7 @@ _FAMILIES: dict[str, str] = {
     "classic": "envs.classic",
     "counting": "envs.counting",
     "football": "envs.football",
+    "memory": "envs.memory",
 }
 
 

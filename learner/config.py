@@ -70,6 +70,9 @@ class LearnerConfig:
     mini-map, mlp for vectors."""
     mlp_hidden_sizes: tuple[int, ...] = (64, 64)
     """Layer sizes of the mlp torso."""
+    lstm_size: int = 0
+    """Units of an LSTM core between the torso and the heads (a recurrent agent whose state
+    the learner keeps per env); 0: feed-forward."""
 
     # -- devices and hosts ---------------------------------------------------
     learner_devices: str = "1"
@@ -191,6 +194,7 @@ class LearnerConfig:
             f"({self.batch_size}), or the trainer would wait forever",
         )
         require(self.learning_rate > 0, "learning_rate must be positive")
+        require(self.lstm_size >= 0, "lstm_size must not be negative (0: no LSTM)")
         require(self.batch_size_per_device >= 0, "batch_size_per_device must not be negative")
         require(
             self.learning_rate_base_batch >= 0,
@@ -309,6 +313,24 @@ PRESETS: dict[str, LearnerConfig] = {
         learning_rate=5.5e-5,
         entropy_cost=3.2e-5,
         reward_clipping="none",
+    ),
+    # The cue-recall task (envs/memory.py): an LSTM agent, small and fast.
+    "memory": LearnerConfig(
+        env="memory:cue-5",
+        total_env_steps=200_000,
+        network="mlp",
+        mlp_hidden_sizes=(64,),
+        lstm_size=64,
+        inference_batch_size=64,
+        inference_timeout_ms=2.0,
+        unroll_length=10,
+        batch_size=16,
+        unroll_queue_size=32,
+        learning_rate=2e-3,
+        learning_rate_decay=False,
+        reward_clipping="none",
+        entropy_cost=0.01,
+        log_interval_s=2.0,
     ),
     # For system tests: small and fast.
     "counting": LearnerConfig(

@@ -175,28 +175,41 @@ def evaluate(config: EvalConfig) -> EvalResult:
     except TypeError as error:
         raise SystemExit(f"seedrl-eval: {env_id} cannot render a video ({error})") from error
     spec = env.spec
+    lstm_size = int(run.get("lstm_size", 0))
     network = make_network(
         run.get("network", "nature_cnn"),
         spec.action.num_actions,
         tuple(run.get("mlp_hidden_sizes", (64, 64))),
+        lstm_size,
     )
     model_observation = spec.model_observation
     example = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
+    if lstm_size:
+        example_args = (example[None], np.ones((1, 1), np.bool_), network.initial_state(1))
+    else:
+        example_args = (example,)
     try:
         params, meta = checkpoint.load_params(
-            config.run_dir, network.init(jax.random.key(0), example), config.checkpoint
+            config.run_dir, network.init(jax.random.key(0), *example_args), config.checkpoint
         )
     except checkpoint.NoCheckpointError as error:
         env.close()
         raise SystemExit(f"seedrl-eval: {error}") from error
 
     @jax.jit
-    def act(params: Any, observations: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = network.apply(params, observations).logits
+    def act(
+        params: Any, observations: jax.Array, first: jax.Array, state: Any, key: jax.Array
+    ) -> tuple[jax.Array, Any, jax.Array]:
+        if lstm_size:
+            # The core state carried from step to step, zeroed where episodes start.
+            output, state = network.apply(params, observations[None], first[None], state)
+            logits = output.logits[0]
+        else:
+            logits = network.apply(params, observations).logits
         key, sample_key = jax.random.split(key)
         if config.sample:
-            return jax.random.categorical(sample_key, logits).astype(jnp.int32), key
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), key
+            return jax.random.categorical(sample_key, logits).astype(jnp.int32), state, key
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), state, key
 
     video = None
     if config.video:
@@ -212,13 +225,14 @@ def evaluate(config: EvalConfig) -> EvalResult:
     started = time.perf_counter()
     try:
         stacker = FrameStacker(spec, num_envs)  # the learner's frame stacking, if any
+        state = network.initial_state(num_envs) if lstm_size else None
         step = env.reset()
         first = np.ones(num_envs, np.bool_)
         recording = video is not None
         if recording:
             video.add(env.render())
         while sum(played) < config.episodes:
-            actions, key = act(params, stacker(step.observations, first), key)
+            actions, state, key = act(params, stacker(step.observations, first), first, state, key)
             step = env.step(np.asarray(actions))
             first = step.terminated | step.truncated  # the next observation starts anew
             running += step.rewards

@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 # What a request's reply is when inference stops before answering it.
 STOPPED = object()
 
+# The slot index of rows that have no slot (padding, a stream that ended): past any
+# capacity, so the policy reads zeros for them and writes nothing.
+NO_SLOT = np.iinfo(np.int32).max
+
 # Consecutive failed batches after which inference gives up and stops the learner.
 MAX_CONSECUTIVE_FAILURES = 10
 
@@ -83,7 +87,12 @@ class InferenceLoop:
         stats: LearnerStats,
         rng_key: jax.Array,
         on_failure: Callable[[BaseException], None],
+        core_state_shape: tuple[int, ...] | None = None,
+        device: Any = None,
     ):
+        """With `core_state_shape` (one env's core state), `policy_fn` is a recurrent
+        agent's (learning.make_recurrent_policy_fn) and every env slot's core state
+        lives on `device` (default: JAX's), next to the parameters."""
         self._policy_fn = policy_fn
         self._on_failure = on_failure
         self._parameters = parameters
@@ -98,13 +107,52 @@ class InferenceLoop:
             size: np.zeros((size, *model_observation.shape), model_observation.np_dtype)
             for size in self._sizes
         }
+        self._core_shape = core_state_shape
+        if core_state_shape is not None:
+            self._flags = {
+                size: (np.zeros(size, np.bool_), np.zeros(size, np.bool_), np.zeros(size, np.int32))
+                for size in self._sizes
+            }
+            self._states = self._starts = None
+            self._device = device or jax.devices()[0]
+            self._grow_core_states(store.capacity)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
+
+    def _grow_core_states(self, capacity: int) -> None:
+        """Room for `capacity` slots' core states (new ones zero), kept on the device; the
+        policy compiles once more for the new size."""
+        zeros = np.zeros((capacity, *self._core_shape), np.float32)
+        if self._states is not None:
+            kept = self._states.shape[0]
+            zeros[:kept] = np.asarray(self._states)
+            starts = np.zeros_like(zeros)
+            starts[:kept] = np.asarray(self._starts)
+        else:
+            starts = zeros.copy()
+        self._states = jax.device_put(zeros, self._device)
+        self._starts = jax.device_put(starts, self._device)
 
     def warm_up(self) -> None:
         """Compiles the policy for every padded size before actors are served."""
         params, _ = self._parameters.latest()
         for size in self._sizes:
+            if self._core_shape is not None:
+                first, at_start, slots = self._flags[size]
+                slots[:] = NO_SLOT
+                result = self._policy_fn(
+                    params,
+                    self._buffers[size],
+                    first,
+                    slots,
+                    at_start,
+                    self._states,
+                    self._starts,
+                    self._key,
+                )
+                self._states, self._starts, self._key = result.states, result.starts, result.key
+                jax.block_until_ready(result.step)
+                continue
             step, self._key = self._policy_fn(params, self._buffers[size], self._key)
             jax.block_until_ready(step)
 
@@ -149,19 +197,52 @@ class InferenceLoop:
         num_envs = sum(request.num_envs for request in batch)
         size = next(size for size in self._sizes if size >= num_envs)
         observations = self._buffers[size]
+        if self._core_shape is not None:
+            first, at_start, core_slots = self._flags[size]
+            first[num_envs:] = at_start[num_envs:] = False
+            core_slots[num_envs:] = NO_SLOT
         offset = 0
         for request in batch:
             end = offset + request.num_envs
-            self._store.observe(
-                request.slots,
-                request.slot_owners,
-                request.step.observations,
-                observations[offset:end],
-            )
+            if self._core_shape is None:
+                self._store.observe(
+                    request.slots,
+                    request.slot_owners,
+                    request.step.observations,
+                    observations[offset:end],
+                )
+            else:
+                live = self._store.observe(
+                    request.slots,
+                    request.slot_owners,
+                    request.step.observations,
+                    observations[offset:end],
+                    first_out=first[offset:end],
+                    at_start_out=at_start[offset:end],
+                )
+                # A stream gone: its rows neither read nor write any slot's state.
+                core_slots[offset:end] = np.where(live, request.slots, NO_SLOT)
             offset = end
 
         params, version = self._parameters.latest()
-        step, self._key = self._policy_fn(params, observations, self._key)
+        finished_starts = None
+        if self._core_shape is None:
+            step, self._key = self._policy_fn(params, observations, self._key)
+        else:
+            if self._store.capacity > self._states.shape[0]:
+                self._grow_core_states(self._store.capacity)
+            result = self._policy_fn(
+                params,
+                observations,
+                first,
+                core_slots,
+                at_start,
+                self._states,
+                self._starts,
+                self._key,
+            )
+            step, finished_starts = result.step, result.finished_starts
+            self._states, self._starts, self._key = result.states, result.starts, result.key
         actions = np.asarray(step.actions)[:num_envs]
         log_probs = np.asarray(step.log_probs)[:num_envs]
         computed = time.perf_counter()
@@ -194,6 +275,13 @@ class InferenceLoop:
         self._stats.add("inference_latency_s", latency, len(batch))
         self._stats.add_time("inference", served - started)
 
+        if finished_starts is not None and unrolls:
+            # Each unroll carries the core state it started from (a slice on the device).
+            row_of = {slot: row for row, slot in enumerate(slots.tolist())}
+            unrolls = [
+                unroll._replace(core_state=finished_starts[row_of[unroll.slot]])
+                for unroll in unrolls
+            ]
         for unroll in unrolls:
             self._enqueue(unroll)
 

@@ -35,7 +35,7 @@ from learner.config import LearnerConfig
 from learner.devices import DeviceError, Placement, digest, prepare_cpu_devices, select_devices
 from learner.inference import InferenceLoop, ParameterSource
 from learner.metrics import MetricsLogger
-from learner.networks import check_network_fits, make_network
+from learner.networks import check_network_fits, core_state_shape, make_network
 from learner.server import LearnerService
 from learner.stats import RETURN_WINDOW, LearnerStats
 from learner.telemetry import Telemetry
@@ -114,6 +114,10 @@ def example_trajectories(
             (frames, batch, *env_spec.observation.shape), env_spec.observation.np_dtype
         ),
         frame_index=None if stack == 1 else np.zeros((steps, batch, stack), np.int32),
+        first=np.ones((steps, batch), np.bool_) if config.lstm_size else None,
+        core_state=np.zeros((1, batch, *core_state_shape(config.lstm_size)), np.float32)
+        if config.lstm_size
+        else None,
         actions=np.zeros((steps, batch), np.int32),
         behaviour_log_probs=np.zeros((steps, batch), np.float32),
         rewards=np.zeros((steps, batch), np.float32),
@@ -146,10 +150,20 @@ class Learner:
         model_observation = spec.model_observation
         check_network_fits(config.network, model_observation.dtype, model_observation.shape)
         self.placement = self._place()
-        network = make_network(config.network, spec.action.num_actions, config.mlp_hidden_sizes)
+        network = make_network(
+            config.network, spec.action.num_actions, config.mlp_hidden_sizes, config.lstm_size
+        )
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))
         example_observation = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
-        params = network.init(init_key, example_observation)
+        if config.lstm_size:
+            params = network.init(
+                init_key,
+                example_observation[None],
+                np.ones((1, 1), np.bool_),
+                network.initial_state(1),
+            )
+        else:
+            params = network.init(init_key, example_observation)
         self._schedule = learning_rate_schedule(config, self.global_batch)
         optimizer = optimizer_for(config, self._schedule)
         settings = loss_settings(config)
@@ -181,7 +195,14 @@ class Learner:
             idle_timeout_s=config.stream_idle_timeout_s,
         )
         self.inference = InferenceLoop(
-            policy_fn=policy_fn or learning.make_policy_fn(network.apply),
+            policy_fn=policy_fn
+            or (
+                learning.make_recurrent_policy_fn(network.apply)
+                if config.lstm_size
+                else learning.make_policy_fn(network.apply)
+            ),
+            core_state_shape=core_state_shape(config.lstm_size) if config.lstm_size else None,
+            device=self.placement.inference_device,
             parameters=self.parameters,
             batcher=self.batcher,
             store=self.store,

@@ -132,6 +132,61 @@ class ActorCritic(nn.Module):
         return PolicyOutput(logits=logits, values=values[:, 0])
 
 
+class _ResettingLSTM(nn.Module):
+    """One LSTM step whose state is zeroed first where an episode starts."""
+
+    size: int
+
+    @nn.compact
+    def __call__(self, state: jax.Array, inputs: tuple[jax.Array, jax.Array]):
+        features, first = inputs
+        state = jnp.where(first[:, None, None], 0.0, state)
+        (c, h), out = nn.OptimizedLSTMCell(self.size)((state[:, 0], state[:, 1]), features)
+        return jnp.stack([c, h], axis=1), out
+
+
+class RecurrentActorCritic(nn.Module):
+    """A torso, an LSTM core, and the policy and value heads (SEED's and IMPALA's agent).
+
+    The core state is one array [B, 2, size] (the LSTM's c and h). It is
+    zeroed where an observation starts an episode (`first`), so an env's
+    memory never crosses episodes, whatever state came in.
+    """
+
+    torso: nn.Module
+    num_actions: int
+    core_size: int
+
+    @nn.compact
+    def __call__(
+        self, observations: jax.Array, first: jax.Array, state: jax.Array
+    ) -> tuple[PolicyOutput, jax.Array]:
+        """observations [T, B, ...], first bool [T, B], state [B, 2, size] ->
+        (PolicyOutput with [T, B] leading dimensions, the state after step T-1)."""
+        steps, batch = first.shape
+        features = self.torso(observations.reshape(steps * batch, *observations.shape[2:]))
+        features = features.reshape(steps, batch, -1)
+        core = nn.scan(
+            _ResettingLSTM,
+            variable_broadcast="params",
+            split_rngs={"params": False},
+            in_axes=0,
+            out_axes=0,
+        )(self.core_size)
+        state, outputs = core(state, (features, first))
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(outputs)
+        values = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(outputs)
+        return PolicyOutput(logits=logits, values=values[..., 0]), state
+
+    def initial_state(self, batch: int) -> jax.Array:
+        return jnp.zeros((batch, 2, self.core_size), jnp.float32)
+
+
+def core_state_shape(core_size: int) -> tuple[int, int]:
+    """One env's core state: the LSTM's c and h."""
+    return (2, core_size)
+
+
 class NetworkMismatch(ValueError):
     """A network that cannot read the env's observations, with what would."""
 
@@ -172,8 +227,22 @@ def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> N
 
 
 def make_network(
-    name: NetworkName, num_actions: int, mlp_hidden_sizes: Sequence[int] = (64, 64)
-) -> ActorCritic:
+    name: NetworkName,
+    num_actions: int,
+    mlp_hidden_sizes: Sequence[int] = (64, 64),
+    lstm_size: int = 0,
+) -> ActorCritic | RecurrentActorCritic:
+    """The torso `name` and the heads; with `lstm_size`, an LSTM core between them."""
+    if lstm_size:
+        torsos = {
+            "nature_cnn": NatureCNN,
+            "impala_resnet": ImpalaResNet,
+            "smm_cnn": SMMCNN,
+            "mlp": lambda: MLP(tuple(mlp_hidden_sizes)),
+        }
+        if name not in torsos:
+            raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
+        return RecurrentActorCritic(torsos[name](), num_actions, lstm_size)
     if name == "nature_cnn":
         return ActorCritic(torso=NatureCNN(), num_actions=num_actions)
     if name == "impala_resnet":

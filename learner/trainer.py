@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from learner.agents.vtrace.learning import TrainState, Trajectories
@@ -33,7 +34,14 @@ def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
         return np.stack([getattr(unroll, field) for unroll in unrolls], axis=1)
 
     frame_stack = len(unrolls[0].observations) - len(unrolls[0].actions) + 1
+    recurrent = unrolls[0].core_state is not None
     trajectories = Trajectories(
+        # The steps' own flags: the last of each step's frames.
+        first=stack("first")[frame_stack - 1 :] if recurrent else None,
+        # Already on the device: stacked there, [1, B, ...] (the batch on axis 1).
+        core_state=jnp.stack([unroll.core_state for unroll in unrolls])[None]
+        if recurrent
+        else None,
         observations=stack("observations"),
         frame_index=None if frame_stack == 1 else frame_indices(stack("first"), frame_stack),
         actions=stack("actions"),

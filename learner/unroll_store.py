@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,6 +60,10 @@ class Unroll(NamedTuple):
     """int64 [T+1]: version of the parameters that chose each action."""
     owner: int
     """The stream whose env produced it."""
+    slot: int = -1
+    """The env slot it came from."""
+    core_state: Any = None
+    """Recurrent agents: the core state before step 0 (on the inference device)."""
 
 
 class EpisodeStats(NamedTuple):
@@ -191,13 +195,23 @@ class UnrollStore:
     # -- steps --------------------------------------------------------------
 
     def observe(
-        self, slots: np.ndarray, owners: np.ndarray, observations: np.ndarray, out: np.ndarray
-    ) -> None:
+        self,
+        slots: np.ndarray,
+        owners: np.ndarray,
+        observations: np.ndarray,
+        out: np.ndarray,
+        first_out: np.ndarray | None = None,
+        at_start_out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Takes N slots' new observations and writes what the policy sees into `out`.
 
         `observations` is [N, *observation_shape]; `out` is [N, S * shape[0], ...]
         (or [N, *observation_shape] without stacking). Rows of slots whose owner
         changed are zeros. Call `append` for the same slots after inference.
+        For recurrent agents, bool [N] `first_out` gets whether each observation
+        starts an episode, and `at_start_out` whether it is step 0 of an unroll
+        (a new slot's first, or the last step of the unroll it completes).
+        Returns bool [N]: which slots still belong to `owners`.
         """
         stack = self.frame_stack
         num = len(slots)
@@ -209,6 +223,11 @@ class UnrollStore:
             mine, at = slots[live], position[live]
             self._observations[mine, at] = observations[live]
             self._first[mine, at] = self._episode_start[mine]
+            if first_out is not None:
+                first_out[:] = self._episode_start[slots]
+            if at_start_out is not None:
+                step = self._length[slots]
+                at_start_out[:] = (step == 0) | (step == self.unroll_length)
             window = position[:, None] + np.arange(1 - stack, 1)  # [N, S], oldest first
             rows = slots[:, None] * self._observations.shape[1] + window
             frames = self._observations.reshape(-1, *self._observation_spec.shape)
@@ -219,6 +238,7 @@ class UnrollStore:
                 valid = window_validity(self._first[slots[:, None], window]) & live[:, None]
                 if not valid.all():
                     stacked[~valid] = 0
+            return live
 
     def append(
         self,
@@ -297,6 +317,7 @@ class UnrollStore:
             truncated=self._truncated[slot].copy(),
             policy_versions=self._versions[slot].copy(),
             owner=int(self._owner[slot]),
+            slot=slot,
         )
         # The next unroll starts with this one's last step and the S-1 frames before it.
         for array in (self._observations, self._first):

@@ -49,6 +49,12 @@ class Trajectories(NamedTuple):
     frame_index: jax.Array | None = None
     """int32 [T+1, B, S]: the frames of each step's stack (learner/frame_stack.py),
     or None when the observations are what the model sees."""
+    first: jax.Array | None = None
+    """bool [T+1, B]: x_t starts an episode (the core state is zeroed there); recurrent
+    agents only."""
+    core_state: jax.Array | None = None
+    """[1, B, 2, size]: the core state before step 0 of each unroll, as inference had it
+    (batch on axis 1, as every field); recurrent agents only."""
 
 
 class LossSettings(NamedTuple):
@@ -119,10 +125,16 @@ def loss_fn(
     observations = batch.observations
     if batch.frame_index is not None:
         observations = stack_frames(observations, batch.frame_index)
-    flat_observations = observations.reshape(steps * batch_size, *observations.shape[2:])
-    output = apply_fn(params, flat_observations)
-    logits = output.logits.reshape(steps, batch_size, -1)[:-1]
-    values = output.values.reshape(steps, batch_size)
+    if batch.core_state is not None:
+        # The core unrolled from the state inference had before step 0, reset where
+        # episodes start, as it ran when acting.
+        output, _ = apply_fn(params, observations, batch.first, batch.core_state[0])
+        logits, values = output.logits[:-1], output.values
+    else:
+        flat_observations = observations.reshape(steps * batch_size, *observations.shape[2:])
+        output = apply_fn(params, flat_observations)
+        logits = output.logits.reshape(steps, batch_size, -1)[:-1]
+        values = output.values.reshape(steps, batch_size)
 
     log_policy = jax.nn.log_softmax(logits)
     actions = batch.actions[:-1]
@@ -254,6 +266,47 @@ def make_policy_fn(
         return PolicyStep(actions, log_probs[:, 0]), key
 
     return jax.jit(policy)
+
+
+class RecurrentPolicyStep(NamedTuple):
+    step: PolicyStep
+    key: jax.Array
+    states: jax.Array
+    """[capacity, 2, size]: every env slot's core state, after this batch."""
+    starts: jax.Array
+    """[capacity, 2, size]: each slot's state before step 0 of its current unroll."""
+    finished_starts: jax.Array
+    """[N, 2, size]: per row, the start state of the unroll that row's step completes."""
+
+
+def make_recurrent_policy_fn(apply_fn: Callable) -> Callable[..., RecurrentPolicyStep]:
+    """Jitted sampling for a recurrent agent, with every env's core state on the device.
+
+    (params, observations [N, ...], first bool [N], slots int32 [N], at_start bool [N],
+    states, starts, key) -> RecurrentPolicyStep. Row i reads and writes the state of
+    env slot `slots[i]`; a slot out of range (padding, a stream gone) reads zeros and
+    writes nothing. Where `at_start` (the row's observation is step 0 of an unroll),
+    the state it read becomes the slot's unroll start, and the previous one is
+    returned in `finished_starts` for the unroll that step completes. `states` and
+    `starts` are donated: updated in place.
+    """
+
+    def policy(params, observations, first, slots, at_start, states, starts, key):
+        key, sample_key = jax.random.split(key)
+        state_in = states.at[slots].get(mode="fill", fill_value=0.0)
+        finished_starts = starts.at[slots].get(mode="fill", fill_value=0.0)
+        output, state_out = apply_fn(params, observations[None], first[None], state_in)
+        logits = output.logits[0]
+        actions = jax.random.categorical(sample_key, logits).astype(jnp.int32)
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=-1)
+        states = states.at[slots].set(state_out, mode="drop")
+        new_starts = jnp.where(at_start[:, None, None], state_in, finished_starts)
+        starts = starts.at[slots].set(new_starts, mode="drop")
+        return RecurrentPolicyStep(
+            PolicyStep(actions, log_probs[:, 0]), key, states, starts, finished_starts
+        )
+
+    return jax.jit(policy, donate_argnums=(5, 6))
 
 
 def make_uniform_policy_fn(
