@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from learner.batcher import DynamicBatcher, InferenceRequest
@@ -120,18 +121,14 @@ class InferenceLoop:
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
 
     def _grow_core_states(self, capacity: int) -> None:
-        """Room for `capacity` slots' core states (new ones zero), kept on the device; the
-        policy compiles once more for the new size."""
-        zeros = np.zeros((capacity, *self._core_shape), np.float32)
-        if self._states is not None:
-            kept = self._states.shape[0]
-            zeros[:kept] = np.asarray(self._states)
-            starts = np.zeros_like(zeros)
-            starts[:kept] = np.asarray(self._starts)
-        else:
-            starts = zeros.copy()
-        self._states = jax.device_put(zeros, self._device)
-        self._starts = jax.device_put(starts, self._device)
+        """Room for `capacity` slots' core states (new ones zero), made and kept on the
+        device; the policy compiles once more for the new size."""
+
+        def grown(old: jax.Array | None) -> jax.Array:
+            new = jnp.zeros((capacity, *self._core_shape), jnp.float32, device=self._device)
+            return new if old is None else new.at[: old.shape[0]].set(old)
+
+        self._states, self._starts = grown(self._states), grown(self._starts)
 
     def warm_up(self) -> None:
         """Compiles the policy for every padded size before actors are served."""

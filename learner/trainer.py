@@ -74,11 +74,12 @@ class Trainer:
         checkpoint_meta: Callable[[], dict] | None = None,
         max_nonfinite_updates: int = 10,
     ):
-        """`batch_size` is this process's share of the batch; `placement` the devices it is
-        trained on (default: one). `recycle` takes back the unrolls of each batch once it is stacked;
-        `checkpointer` saves the state between updates when one is due, with the
-        counters and whatever `checkpoint_meta` adds; after `max_nonfinite_updates`
-        skipped (non-finite) updates in a row the trainer fails with NonFiniteLoss."""
+        """`batch_size` is this process's share of the batch; `placement` the devices it
+        is trained on (default: one); `recycle` takes back the unrolls of each batch once
+        it is stacked; `checkpointer` saves the state between updates when one is due,
+        with the counters and whatever `checkpoint_meta` adds; after
+        `max_nonfinite_updates` skipped (non-finite) updates in a row the trainer fails
+        with NonFiniteLoss."""
         self.state = state
         self._checkpointer = checkpointer
         self._checkpoint_meta = checkpoint_meta

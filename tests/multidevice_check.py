@@ -1,17 +1,18 @@
 """One V-trace update on N devices against the same update on one (run as a subprocess).
 
-`python -m tests.multidevice_check N NETWORK` needs N devices (on CPU:
+`python -m tests.multidevice_check N NETWORK` (nature_cnn, mlp or lstm) needs N devices (on CPU:
 XLA_FLAGS=--xla_force_host_platform_device_count=N, set by the test). It
 builds the learner's real update for the atari or classic preset, applies it
 to one random batch on device 0 alone and on a mesh of N devices (the batch
 split, the state replicated), and prints JSON: the relative differences of
-the gradient, of the parameter change and of the loss, and where the sharded
-arrays lived.
+the gradient, of the parameter change and of the loss, where the sharded
+arrays lived, and the collectives the compiled N-device update holds.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import jax
@@ -25,20 +26,26 @@ from learner.devices import Placement
 from learner.learner import learning_rate_schedule, loss_settings, optimizer_for
 from learner.networks import make_network
 
+LSTM_SIZE = 16
+
 
 def random_batch(network: str, steps: int, batch: int, rng: np.random.Generator):
     shape = (steps + 1, batch)
+    extra = {}
     if network == "nature_cnn":
         stack = 4
         frames = rng.integers(0, 256, (steps + stack, batch, 1, 84, 84), dtype=np.uint8)
         first = rng.random((steps + stack, batch)) < 0.05
         from learner.frame_stack import frame_indices
 
-        extra = {"frame_index": frame_indices(first, stack)}
+        extra["frame_index"] = frame_indices(first, stack)
         num_actions, example = 6, np.zeros((1, 4, 84, 84), np.uint8)
     else:
         frames = rng.normal(size=(*shape, 4)).astype(np.float32)
-        extra, num_actions, example = {}, 2, np.zeros((1, 4), np.float32)
+        num_actions, example = 2, np.zeros((1, 4), np.float32)
+    if network == "lstm":
+        extra["first"] = rng.random(shape) < 0.1
+        extra["core_state"] = rng.normal(size=(1, batch, 2, LSTM_SIZE)).astype(np.float32)
     trajectories = learning.Trajectories(
         observations=frames,
         actions=rng.integers(0, num_actions, shape).astype(np.int32),
@@ -49,6 +56,13 @@ def random_batch(network: str, steps: int, batch: int, rng: np.random.Generator)
         **extra,
     )
     return trajectories, num_actions, example
+
+
+def collectives(update, state, batch) -> dict[str, int]:
+    """How many of each cross-device operation the compiled update holds."""
+    text = update.lower(state, batch).compile().as_text()
+    names = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+    return {name: len(re.findall(rf"\b{name}(?:-start)?\(", text)) for name in names}
 
 
 def relative(a, b) -> float:
@@ -68,8 +82,14 @@ def main(count: int, network_name: str) -> dict:
     trajectories, num_actions, example = random_batch(
         network_name, steps, batch, np.random.default_rng(0)
     )
-    network = make_network(network_name, num_actions, config.mlp_hidden_sizes)
-    params = network.init(jax.random.key(0), example)
+    if network_name == "lstm":
+        network = make_network("mlp", num_actions, config.mlp_hidden_sizes, LSTM_SIZE)
+        params = network.init(
+            jax.random.key(0), example[None], np.ones((1, 1), np.bool_), network.initial_state(1)
+        )
+    else:
+        network = make_network(network_name, num_actions, config.mlp_hidden_sizes)
+        params = network.init(jax.random.key(0), example)
     optimizers = {
         # The preset's optimizer (Adam: its first step is nearly the gradient's sign) ...
         "update": optimizer_for(config, learning_rate_schedule(config, batch)),
@@ -86,7 +106,10 @@ def main(count: int, network_name: str) -> dict:
             state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
             update = learning.make_update_fn(network.apply, optimizer, settings, placement)
             placed_batch = placement.put_batch(trajectories)
-            new_state, metrics = update(placement.put_state(state), placed_batch)
+            placed_state = placement.put_state(state)
+            if name == "many" and kind == "update":
+                results["collectives"] = collectives(update, placed_state, placed_batch)
+            new_state, metrics = update(placed_state, placed_batch)
             results[name][kind] = jax.tree.map(
                 lambda new, old: np.asarray(new) - np.asarray(old),
                 jax.device_get(new_state.params),
@@ -108,6 +131,7 @@ def main(count: int, network_name: str) -> dict:
         )
     one, many = results["one"], results["many"]
     return {
+        "collectives": results["collectives"],
         "batch_shards_one": one["batch_shards"],
         "batch_shards_many": many["batch_shards"],
         "state_devices": [one["state_devices"], many["state_devices"]],

@@ -95,7 +95,7 @@ def test_a_batch_that_does_not_split_over_the_devices_is_refused(tmp_path):
 # -- the update on several devices ------------------------------------------------------
 
 
-@pytest.mark.parametrize("network", ["nature_cnn", "mlp"])
+@pytest.mark.parametrize("network", ["nature_cnn", "mlp", "lstm"])
 def test_the_update_on_4_devices_equals_the_update_on_1(network):
     result = subprocess.run(
         [sys.executable, "-m", "tests.multidevice_check", "4", network],
@@ -114,6 +114,10 @@ def test_the_update_on_4_devices_equals_the_update_on_1(network):
     assert len({size for _, size in shards}) == 1
     assert shards[0][1] * 4 == figures["batch_shards_one"][0][1]
     assert figures["state_devices"] == [1, 4]
+    # Each device computed on its own share only: the gradient's all-reduce, no gathers.
+    assert figures["collectives"]["all-reduce"] >= 1
+    assert figures["collectives"]["all-gather"] == 0
+    assert figures["collectives"]["all-to-all"] == 0
     assert figures["updates"] == [1, 1]
     # The same step: the all-reduced gradient, the optimizer's step and the loss.
     assert figures["gradient_relative"] < 1e-5
@@ -172,6 +176,30 @@ def test_cartpole_is_solved_on_2_learner_devices(tmp_path):
     ]
     assert solved, f"best mean return {max(r['episode_return_mean'] or 0 for r in records)}"
     print(f"\nCartPole on 2 devices solved at {solved[0]['env_steps']} env steps")
+
+
+def test_a_learner_on_4_devices_trains_through_the_real_path(tmp_path):
+    learner = LoggedProcess(
+        learner_argv(
+            "counting:v0", tmp_path / "run", "--learner-devices", "4", "--total-env-steps", "3000"
+        ),
+        tmp_path / "learner.log",
+    )
+    actor = None
+    try:
+        port = port_from_log(learner.log_path, timeout_s=300)
+        actor = spawn_actor(f"127.0.0.1:{port}", "counting:v0", 8, "four", tmp_path)
+        assert learner.wait(timeout_s=300) == 0, learner.log()[-3000:]
+        assert actor.wait(timeout_s=60) == 0
+    finally:
+        learner.kill()
+        if actor is not None:
+            actor.kill()
+    log = learner.log()
+    assert "training on 4 cpu device(s); inference on cpu:0; 8 unrolls per update" in log
+    updates, _ = final_parameters(log)
+    assert updates >= 20
+    assert (tmp_path / "run" / "checkpoints" / str(updates)).is_dir()
 
 
 @pytest.mark.slow

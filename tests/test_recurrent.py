@@ -112,20 +112,26 @@ def test_unrolls_carry_the_state_inference_started_them_from(tmp_path):
     try:
         learner.start()
         address = learner.address
-        actors = [spawn_actor(address, "memory:cue-5", 6, f"m{i}", tmp_path) for i in range(2)]
+        # 3 x 24 envs: more than the store's first 64 slots, so the state arrays grow.
+        actors = [spawn_actor(address, "memory:cue-5", 24, f"m{i}", tmp_path) for i in range(3)]
 
         def collect(count: int) -> bool:
             while not learner.learner.unrolls.empty():
                 unrolls.append(learner.learner.unrolls.get())
             return len(unrolls) >= count
 
-        wait_until(lambda: collect(40), 120, "40 unrolls")
+        wait_until(
+            lambda: collect(100) and len({unroll.owner for unroll in unrolls}) == 3,
+            120,
+            "100 unrolls from the 3 actors",
+        )
+        before = len(unrolls)
         # A new run of one actor: its slots start over, with fresh state.
         actors[0].kill()
-        actors.append(spawn_actor(address, "memory:cue-5", 6, "m0", tmp_path))
+        actors.append(spawn_actor(address, "memory:cue-5", 24, "m0", tmp_path))
 
         def from_the_new_run() -> int:
-            first_owners = {unroll.owner for unroll in unrolls[:40]}
+            first_owners = {unroll.owner for unroll in unrolls[:before]}
             return sum(unroll.owner not in first_owners for unroll in unrolls)
 
         wait_until(lambda: collect(0) and from_the_new_run() >= 20, 120, "the new run's unrolls")
@@ -133,7 +139,8 @@ def test_unrolls_carry_the_state_inference_started_them_from(tmp_path):
         for actor in actors:
             actor.kill()
         learner.stop()
-    assert len({unroll.owner for unroll in unrolls}) == 3  # three runs
+    assert len({unroll.owner for unroll in unrolls}) == 4  # four runs
+    assert learner.learner.store.capacity > 64
     params, _ = learner.learner.parameters.latest()
     network = make_network("mlp", 2, config.mlp_hidden_sizes, config.lstm_size)
     batch, _ = stack_unrolls(unrolls)
