@@ -31,7 +31,7 @@ DEFAULT_DELAY = 5
 
 
 def delay_of(name: str) -> int:
-    """"cue-5" -> 5 (steps from the cue to the query); "cue" -> the default."""
+    """ "cue-5" -> 5 (steps from the cue to the query); "cue" -> the default."""
     match = re.fullmatch(r"cue(?:-(\d+))?", name)
     if not match or (match.group(1) is not None and int(match.group(1)) < 1):
         raise ValueError(f"memory env {name!r} is unknown; names: cue, cue-N with N >= 1")
