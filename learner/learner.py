@@ -446,11 +446,6 @@ class Learner:
                 self.trainer.request_stop()
                 await asyncio.to_thread(self.trainer.join)
                 finished = finished or self.trainer.agreed_stop.is_set()
-            logger.info(
-                "final parameters: update %d, sha256 %s",
-                self.parameters.version,
-                digest(self.parameters.latest()[0]),
-            )
             await self._shutdown(server, finished)
             self._log(metrics)
             metrics.close()
@@ -492,6 +487,13 @@ class Learner:
         self.service.stop_serving(finished)
         self.telemetry.serving = False
         await asyncio.to_thread(self.trainer.stop)
+        # Bit-identical on every learner process of a multi-host run: the logs can say so.
+        state = self.trainer.state
+        logger.info(
+            "final parameters: update %d, sha256 %s",
+            int(state.updates),
+            digest(self.placement.local_copy(state.params)),
+        )
         await asyncio.to_thread(self.inference.stop)
         # The last state, written completely before the process may exit.
         await asyncio.to_thread(self.trainer.save_checkpoint)

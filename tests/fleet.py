@@ -142,6 +142,56 @@ def spawn_actor(
     return ActorProcess(args, log_dir / f"{actor_id}-{index}.log")
 
 
+def train_to_the_end(
+    env: str,
+    run_dir: pathlib.Path,
+    log_dir: pathlib.Path,
+    *learner_flags: str,
+    actors: int = 2,
+    num_envs: int = 16,
+    timeout_s: float = 1200.0,
+) -> str:
+    """seedrl-learner (on loopback) and its actor processes, run until training finishes:
+    the learner exits 0 and ends the streams with OK, so every actor exits 0 by itself.
+    Returns the learner's log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    learner = LoggedProcess(
+        learner_argv(env, run_dir, *learner_flags), log_dir / f"learner-{run_dir.name}.log"
+    )
+    fleet: list[ActorProcess] = []
+    try:
+        port = port_from_log(learner.log_path, timeout_s=300)
+        fleet = [
+            spawn_actor(f"127.0.0.1:{port}", env, num_envs, f"{run_dir.name}-{i}", log_dir)
+            for i in range(actors)
+        ]
+        assert learner.wait(timeout_s=timeout_s) == 0, learner.log()[-3000:]
+        assert [actor.wait(timeout_s=60) for actor in fleet] == [0] * actors
+    finally:
+        learner.kill()
+        for actor in fleet:
+            actor.kill()
+    return learner.log()
+
+
+def first_solved(run_dir: pathlib.Path, target: float) -> dict:
+    """The first metrics.jsonl record whose 100-episode mean return reached `target`;
+    fails the test, saying the best mean, when none did."""
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    solved = [
+        r
+        for r in records
+        if r["episode_return_mean"] is not None
+        and r["episode_return_mean"] >= target
+        and r["episodes"] >= 100
+    ]
+    assert solved, f"best mean return {max(r['episode_return_mean'] or 0 for r in records)}"
+    return solved[0]
+
+
 def port_from_log(path: pathlib.Path, timeout_s: float) -> int:
     """The port a CLI learner reports in its log ("... on port N; ...")."""
     found: list[int] = []

@@ -18,7 +18,16 @@ import pytest
 from learner.config import LearnerConfig, parse_cli
 from learner.devices import DeviceError, distributed_settings, requested_count
 from learner.learner import global_batch_size, learning_rate_schedule, scaled_learning_rate
-from tests.fleet import ROOT, LoggedProcess, free_port, learner_argv, port_from_log, spawn_actor
+from tests.fleet import (
+    ROOT,
+    LoggedProcess,
+    first_solved,
+    free_port,
+    learner_argv,
+    port_from_log,
+    spawn_actor,
+    train_to_the_end,
+)
 
 
 def forced_devices(count: int) -> dict[str, str]:
@@ -136,67 +145,39 @@ def final_parameters(log: str) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_cartpole_is_solved_on_2_learner_devices(tmp_path):
-    learner = LoggedProcess(
-        learner_argv(
-            "classic:CartPole-v1",
-            tmp_path / "run",
-            "--learner-devices",
-            "2",
-            "--total-env-steps",
-            "500000",
-            "--stop-at-return",
-            "475",
-        ),
-        tmp_path / "learner.log",
+    log = train_to_the_end(
+        "classic:CartPole-v1",
+        tmp_path / "run",
+        tmp_path,
+        "--learner-devices",
+        "2",
+        "--total-env-steps",
+        "500000",
+        "--stop-at-return",
+        "475",
     )
-    actors = []
-    try:
-        port = port_from_log(learner.log_path, timeout_s=300)
-        actors = [
-            spawn_actor(f"127.0.0.1:{port}", "classic:CartPole-v1", 16, f"cp-{i}", tmp_path)
-            for i in range(2)
-        ]
-        assert learner.wait(timeout_s=1200) == 0, learner.log()[-3000:]
-        assert [actor.wait(timeout_s=60) for actor in actors] == [0, 0]
-    finally:
-        learner.kill()
-        for actor in actors:
-            actor.kill()
-    log = learner.log()
     assert "training on 2 cpu device(s)" in log
-    records = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    solved = [
-        r
-        for r in records
-        if r["episode_return_mean"] is not None
-        and r["episode_return_mean"] >= 475
-        and r["episodes"] >= 100
-    ]
-    assert solved, f"best mean return {max(r['episode_return_mean'] or 0 for r in records)}"
-    print(f"\nCartPole on 2 devices solved at {solved[0]['env_steps']} env steps")
+    solved = first_solved(tmp_path / "run", 475)
+    print(f"\nCartPole on 2 devices solved at {solved['env_steps']} env steps")
 
 
 def test_a_learner_on_4_devices_trains_through_the_real_path(tmp_path):
-    learner = LoggedProcess(
-        learner_argv(
-            "counting:v0", tmp_path / "run", "--learner-devices", "4", "--total-env-steps", "3000"
-        ),
-        tmp_path / "learner.log",
+    """4 devices train; a fifth, of its own, answers the actors."""
+    log = train_to_the_end(
+        "counting:v0",
+        tmp_path / "run",
+        tmp_path,
+        "--learner-devices",
+        "4",
+        "--inference-device",
+        "4",
+        "--total-env-steps",
+        "3000",
+        actors=1,
+        num_envs=8,
+        timeout_s=300,
     )
-    actor = None
-    try:
-        port = port_from_log(learner.log_path, timeout_s=300)
-        actor = spawn_actor(f"127.0.0.1:{port}", "counting:v0", 8, "four", tmp_path)
-        assert learner.wait(timeout_s=300) == 0, learner.log()[-3000:]
-        assert actor.wait(timeout_s=60) == 0
-    finally:
-        learner.kill()
-        if actor is not None:
-            actor.kill()
-    log = learner.log()
-    assert "training on 4 cpu device(s); inference on cpu:0; 8 unrolls per update" in log
+    assert "training on 4 cpu device(s); inference on cpu:4; 8 unrolls per update" in log
     updates, _ = final_parameters(log)
     assert updates >= 20
     assert (tmp_path / "run" / "checkpoints" / str(updates)).is_dir()

@@ -17,11 +17,9 @@ from learner.trainer import stack_unrolls
 from tests.fleet import (
     ROOT,
     LearnerThread,
-    LoggedProcess,
-    learner_argv,
     learner_config,
-    port_from_log,
     spawn_actor,
+    train_to_the_end,
     wait_until,
 )
 
@@ -163,24 +161,9 @@ def test_unrolls_carry_the_state_inference_started_them_from(tmp_path):
 
 def train_on_memory(tmp_path, *flags: str) -> dict:
     """A memory:cue-8 run through the real path; seedrl-eval's result on its checkpoint."""
-    tmp_path.mkdir(parents=True)
-    learner = LoggedProcess(
-        learner_argv("memory:cue-8", tmp_path / "run", "--total-env-steps", "120000", *flags),
-        tmp_path / "learner.log",
+    train_to_the_end(
+        "memory:cue-8", tmp_path / "run", tmp_path, "--total-env-steps", "120000", *flags
     )
-    actors = []
-    try:
-        port = port_from_log(learner.log_path, timeout_s=300)
-        actors = [
-            spawn_actor(f"127.0.0.1:{port}", "memory:cue-8", 16, f"mem-{i}", tmp_path)
-            for i in range(2)
-        ]
-        assert learner.wait(timeout_s=900) == 0, learner.log()[-3000:]
-        assert [actor.wait(timeout_s=60) for actor in actors] == [0, 0]
-    finally:
-        learner.kill()
-        for actor in actors:
-            actor.kill()
     result = subprocess.run(
         [
             str(ROOT / ".venv/bin/seedrl-eval"),
