@@ -386,7 +386,8 @@ class Learner:
             os.path.join(self.run_dir, "metrics.jsonl"),
             self.stats,
             self.env_spec.frames_per_step,
-            config.total_env_steps,
+            # Each of N learner processes counts its own actors: its share of the total.
+            config.total_env_steps // self.placement.process_count,
         )
         for signum in (signal.SIGINT, signal.SIGTERM):
             # Off the main thread (tests) there are no signals: the caller stops us.
