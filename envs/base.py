@@ -35,6 +35,16 @@ class VectorEnv(Protocol):
     def close(self) -> None: ...
 
 
+def checked_actions(actions: np.ndarray, num_envs: int, num_actions: int) -> np.ndarray:
+    """int64 [K] actions, or ValueError when there are not K of them in 0..num_actions-1."""
+    actions = np.asarray(actions, np.int64)
+    if actions.shape != (num_envs,):
+        raise ValueError(f"expected {num_envs} actions, got shape {actions.shape}")
+    if ((actions < 0) | (actions >= num_actions)).any():
+        raise ValueError(f"actions {actions.tolist()} fall outside 0..{num_actions - 1}")
+    return actions
+
+
 def first_step(observations: np.ndarray) -> EnvStep:
     """The EnvStep of K freshly reset envs."""
     num_envs = observations.shape[0]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from envs.base import first_step
+from envs.base import checked_actions, first_step
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -70,11 +70,7 @@ class CountingVectorEnv:
         return first_step(self._observation())
 
     def step(self, actions: np.ndarray) -> EnvStep:
-        actions = np.asarray(actions, np.int64)
-        if actions.shape != (self.num_envs,):
-            raise ValueError(f"expected {self.num_envs} actions, got shape {actions.shape}")
-        if ((actions < 0) | (actions >= NUM_ACTIONS)).any():
-            raise ValueError(f"actions {actions.tolist()} fall outside 0..{NUM_ACTIONS - 1}")
+        actions = checked_actions(actions, self.num_envs, NUM_ACTIONS)
         restart = self._ended
         rewards = np.where(restart, 0.0, actions == self._step % NUM_ACTIONS).astype(np.float32)
         self._episode = np.where(restart, self._episode + 1, self._episode)

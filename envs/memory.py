@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 
-from envs.base import first_step
+from envs.base import checked_actions, first_step
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -70,11 +70,7 @@ class MemoryVectorEnv:
         return first_step(self._observation())
 
     def step(self, actions: np.ndarray) -> EnvStep:
-        actions = np.asarray(actions, np.int64)
-        if actions.shape != (self.num_envs,):
-            raise ValueError(f"expected {self.num_envs} actions, got shape {actions.shape}")
-        if ((actions < 0) | (actions >= NUM_CUES)).any():
-            raise ValueError(f"actions {actions.tolist()} fall outside 0..{NUM_CUES - 1}")
+        actions = checked_actions(actions, self.num_envs, NUM_CUES)
         restart = self._ended
         asked = (self._step == self.delay) & ~restart
         rewards = (asked & (actions == self._cue)).astype(np.float32)

@@ -16,7 +16,7 @@ from typing import Literal
 
 import tyro
 
-from learner.devices import requested_count
+from learner.devices import device_indices
 from learner.networks import NetworkName
 from seedrl.transport import KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S, check_keepalive
 
@@ -201,7 +201,7 @@ class LearnerConfig:
             "learning_rate_base_batch must not be negative (0: no scaling)",
         )
         require(self.inference_device >= -1, "inference_device must be -1 or a device index")
-        requested_count(self.learner_devices)  # raises DeviceError, a ValueError, if malformed
+        device_indices(self.learner_devices)  # raises DeviceError, a ValueError, if malformed
         require(self.max_grad_norm > 0, "max_grad_norm must be positive")
         require(0.0 <= self.discount <= 1.0, f"discount {self.discount} is outside [0, 1]")
         require(

@@ -40,25 +40,23 @@ class DeviceError(ValueError):
     """A device setting this machine cannot satisfy, saying what it has."""
 
 
-def requested_count(spec: str) -> int | None:
-    """How many devices `spec` names ("4" -> 4, "0,2" -> 2), or None for "all"."""
+def device_indices(spec: str) -> list[int] | None:
+    """The local device indices `spec` names ("4" -> [0, 1, 2, 3], "0,2" -> [0, 2]), or
+    None for "all"."""
     spec = spec.strip()
     if spec == "all":
         return None
-    if "," in spec:
-        return len(parse_indices(spec))
-    try:
-        count = int(spec)
-    except ValueError:
-        raise DeviceError(
-            f"--learner-devices {spec!r}: give a count (4), 'all', or local device indices (0,2)"
-        ) from None
-    if count < 1:
-        raise DeviceError(f"--learner-devices must be at least 1, got {count}")
-    return count
-
-
-def parse_indices(spec: str) -> list[int]:
+    if "," not in spec:
+        try:
+            count = int(spec)
+        except ValueError:
+            raise DeviceError(
+                f"--learner-devices {spec!r}: give a count (4), 'all', or local device "
+                "indices (0,2)"
+            ) from None
+        if count < 1:
+            raise DeviceError(f"--learner-devices must be at least 1, got {count}")
+        return list(range(count))
     try:
         indices = [int(part) for part in spec.split(",") if part.strip()]
     except ValueError:
@@ -66,6 +64,12 @@ def parse_indices(spec: str) -> list[int]:
     if not indices or len(set(indices)) != len(indices) or min(indices) < 0:
         raise DeviceError(f"--learner-devices {spec!r}: give distinct indices >= 0")
     return indices
+
+
+def requested_count(spec: str) -> int | None:
+    """How many devices `spec` names ("4" -> 4, "0,2" -> 2), or None for "all"."""
+    indices = device_indices(spec)
+    return None if indices is None else len(indices)
 
 
 def prepare_cpu_devices(spec: str, inference_device: int = -1) -> None:
@@ -76,10 +80,8 @@ def prepare_cpu_devices(spec: str, inference_device: int = -1) -> None:
     untouched: their devices are what the hardware has. A count the user
     already forced (XLA_FLAGS' --xla_force_host_platform_device_count) wins.
     """
-    count = requested_count(spec)
-    if "," in spec:
-        count = max(parse_indices(spec)) + 1
-    wanted = max(count or 1, inference_device + 1)
+    indices = device_indices(spec)
+    wanted = max(max(indices or [0]) + 1, inference_device + 1)
     if wanted <= 1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     from learner import xla_flags
@@ -137,10 +139,9 @@ def initialize_distributed(settings: DistributedSettings | None) -> None:
 def select_devices(spec: str) -> list[jax.Device]:
     """This process's training devices: the first N local ones, all, or those indices."""
     local = jax.local_devices()
-    count = requested_count(spec)
-    if count is None:
+    indices = device_indices(spec)
+    if indices is None:
         return local
-    indices = parse_indices(spec) if "," in spec else list(range(count))
     if max(indices) >= len(local):
         raise DeviceError(
             f"--learner-devices {spec} needs {max(indices) + 1} local devices; this host has "
@@ -152,6 +153,9 @@ def select_devices(spec: str) -> list[jax.Device]:
 
 class Placement:
     """The training devices of every learner process as one mesh, and inference's device."""
+
+    axis_name = BATCH_AXIS
+    """The mesh axis the batch is split along, and the update averages over."""
 
     def __init__(self, local_devices: list[jax.Device], inference_device: jax.Device | None = None):
         self.local_devices = list(local_devices)
@@ -192,8 +196,6 @@ class Placement:
         if self.process_count > 1:
             text += f" over {self.process_count} processes"
         return f"{text}; inference on {self.inference_device}"
-
-    axis_name = BATCH_AXIS
 
     def jit_sharded(self, update: Callable) -> Callable:
         """`update(state, batch) -> (state, metrics)`, written for one device's share of the
@@ -269,12 +271,11 @@ class Placement:
 
 
 def digest(tree: Any) -> str:
-    """sha256 of a tree's leaves (bytes, shapes and dtypes) on this process: equal digests on
-    two processes mean bit-identical parameters."""
+    """sha256 of a tree's leaves (bytes, shapes and dtypes), a tree this process holds
+    whole (`Placement.local_copy`): equal digests on two processes mean bit-identical
+    parameters."""
     hasher = hashlib.sha256()
     for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            leaf = leaf.addressable_shards[0].data
         value = np.asarray(jax.device_get(leaf))
         hasher.update(str((value.shape, value.dtype.str)).encode())
         hasher.update(np.ascontiguousarray(value).tobytes())

@@ -158,7 +158,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
     from envs import registry
     from learner import checkpoint
     from learner.frame_stack import FrameStacker
-    from learner.networks import make_network
+    from learner.networks import init_params, make_network
 
     run = _run_config(config.run_dir)
     env_id = run["env"]
@@ -184,13 +184,9 @@ def evaluate(config: EvalConfig) -> EvalResult:
     )
     model_observation = spec.model_observation
     example = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
-    if lstm_size:
-        example_args = (example[None], np.ones((1, 1), np.bool_), network.initial_state(1))
-    else:
-        example_args = (example,)
     try:
         params, meta = checkpoint.load_params(
-            config.run_dir, network.init(jax.random.key(0), *example_args), config.checkpoint
+            config.run_dir, init_params(network, jax.random.key(0), example), config.checkpoint
         )
     except checkpoint.NoCheckpointError as error:
         env.close()

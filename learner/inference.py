@@ -135,23 +135,22 @@ class InferenceLoop:
         params, _ = self._parameters.latest()
         for size in self._sizes:
             if self._core_shape is not None:
-                first, at_start, slots = self._flags[size]
-                slots[:] = NO_SLOT
-                result = self._policy_fn(
-                    params,
-                    self._buffers[size],
-                    first,
-                    slots,
-                    at_start,
-                    self._states,
-                    self._starts,
-                    self._key,
-                )
-                self._states, self._starts, self._key = result.states, result.starts, result.key
-                jax.block_until_ready(result.step)
-                continue
-            step, self._key = self._policy_fn(params, self._buffers[size], self._key)
-            jax.block_until_ready(step)
+                self._flags[size][2][:] = NO_SLOT  # rows of no slot: nothing read or written
+            jax.block_until_ready(self._policy(params, size)[0])
+
+    def _policy(self, params: Any, size: int) -> tuple[Any, jax.Array | None]:
+        """Runs the policy on the padded batch of `size` rows: (PolicyStep, and for a
+        recurrent agent each row's finished unroll start state, else None)."""
+        observations = self._buffers[size]
+        if self._core_shape is None:
+            step, self._key = self._policy_fn(params, observations, self._key)
+            return step, None
+        first, at_start, slots = self._flags[size]
+        result = self._policy_fn(
+            params, observations, first, slots, at_start, self._states, self._starts, self._key
+        )
+        self._states, self._starts, self._key = result.states, result.starts, result.key
+        return result.step, result.finished_starts
 
     def start(self) -> None:
         self._thread.start()
@@ -194,52 +193,31 @@ class InferenceLoop:
         num_envs = sum(request.num_envs for request in batch)
         size = next(size for size in self._sizes if size >= num_envs)
         observations = self._buffers[size]
+        first = at_start = core_slots = None
         if self._core_shape is not None:
             first, at_start, core_slots = self._flags[size]
             first[num_envs:] = at_start[num_envs:] = False
             core_slots[num_envs:] = NO_SLOT
-        offset = 0
-        for request in batch:
-            end = offset + request.num_envs
-            if self._core_shape is None:
-                self._store.observe(
-                    request.slots,
-                    request.slot_owners,
-                    request.step.observations,
-                    observations[offset:end],
-                )
-            else:
-                live = self._store.observe(
-                    request.slots,
-                    request.slot_owners,
-                    request.step.observations,
-                    observations[offset:end],
-                    first_out=first[offset:end],
-                    at_start_out=at_start[offset:end],
-                )
-                # A stream gone: its rows neither read nor write any slot's state.
-                core_slots[offset:end] = np.where(live, request.slots, NO_SLOT)
-            offset = end
-
-        params, version = self._parameters.latest()
-        finished_starts = None
-        if self._core_shape is None:
-            step, self._key = self._policy_fn(params, observations, self._key)
-        else:
             if self._store.capacity > self._states.shape[0]:
                 self._grow_core_states(self._store.capacity)
-            result = self._policy_fn(
-                params,
-                observations,
-                first,
-                core_slots,
-                at_start,
-                self._states,
-                self._starts,
-                self._key,
+        offset = 0
+        for request in batch:
+            rows = slice(offset, offset + request.num_envs)
+            live = self._store.observe(
+                request.slots,
+                request.slot_owners,
+                request.step.observations,
+                observations[rows],
+                first_out=None if first is None else first[rows],
+                at_start_out=None if at_start is None else at_start[rows],
             )
-            step, finished_starts = result.step, result.finished_starts
-            self._states, self._starts, self._key = result.states, result.starts, result.key
+            if core_slots is not None:
+                # A stream gone: its rows neither read nor write any slot's state.
+                core_slots[rows] = np.where(live, request.slots, NO_SLOT)
+            offset = rows.stop
+
+        params, version = self._parameters.latest()
+        step, finished_starts = self._policy(params, size)
         actions = np.asarray(step.actions)[:num_envs]
         log_probs = np.asarray(step.log_probs)[:num_envs]
         computed = time.perf_counter()

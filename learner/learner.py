@@ -35,7 +35,7 @@ from learner.config import LearnerConfig
 from learner.devices import DeviceError, Placement, digest, prepare_cpu_devices, select_devices
 from learner.inference import InferenceLoop, ParameterSource
 from learner.metrics import MetricsLogger
-from learner.networks import check_network_fits, core_state_shape, make_network
+from learner.networks import check_network_fits, core_state_shape, init_params, make_network
 from learner.server import LearnerService
 from learner.stats import RETURN_WINDOW, LearnerStats
 from learner.telemetry import Telemetry
@@ -155,15 +155,7 @@ class Learner:
         )
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))
         example_observation = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
-        if config.lstm_size:
-            params = network.init(
-                init_key,
-                example_observation[None],
-                np.ones((1, 1), np.bool_),
-                network.initial_state(1),
-            )
-        else:
-            params = network.init(init_key, example_observation)
+        params = init_params(network, init_key, example_observation)
         self._schedule = learning_rate_schedule(config, self.global_batch)
         optimizer = optimizer_for(config, self._schedule)
         settings = loss_settings(config)

@@ -179,12 +179,23 @@ class RecurrentActorCritic(nn.Module):
         return PolicyOutput(logits=logits, values=values[..., 0]), state
 
     def initial_state(self, batch: int) -> jax.Array:
-        return jnp.zeros((batch, 2, self.core_size), jnp.float32)
+        return jnp.zeros((batch, *core_state_shape(self.core_size)), jnp.float32)
 
 
 def core_state_shape(core_size: int) -> tuple[int, int]:
     """One env's core state: the LSTM's c and h."""
     return (2, core_size)
+
+
+def init_params(
+    network: ActorCritic | RecurrentActorCritic, key: jax.Array, observation: jax.Array
+) -> dict:
+    """The network's initial parameters from one example observation [1, ...] (a recurrent
+    network takes it as one step of one env, with its first flag and zero state)."""
+    if isinstance(network, RecurrentActorCritic):
+        first = jnp.ones((1, 1), jnp.bool_)
+        return network.init(key, observation[None], first, network.initial_state(1))
+    return network.init(key, observation)
 
 
 class NetworkMismatch(ValueError):
@@ -233,25 +244,17 @@ def make_network(
     lstm_size: int = 0,
 ) -> ActorCritic | RecurrentActorCritic:
     """The torso `name` and the heads; with `lstm_size`, an LSTM core between them."""
+    hidden = tuple(mlp_hidden_sizes)
+    torsos = {
+        "nature_cnn": NatureCNN,
+        "impala_resnet": ImpalaResNet,
+        "smm_cnn": SMMCNN,
+        "mlp": lambda: MLP(hidden),
+    }
+    if name not in torsos:
+        raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
     if lstm_size:
-        torsos = {
-            "nature_cnn": NatureCNN,
-            "impala_resnet": ImpalaResNet,
-            "smm_cnn": SMMCNN,
-            "mlp": lambda: MLP(tuple(mlp_hidden_sizes)),
-        }
-        if name not in torsos:
-            raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
         return RecurrentActorCritic(torsos[name](), num_actions, lstm_size)
-    if name == "nature_cnn":
-        return ActorCritic(torso=NatureCNN(), num_actions=num_actions)
-    if name == "impala_resnet":
-        return ActorCritic(torso=ImpalaResNet(), num_actions=num_actions)
-    if name == "smm_cnn":
-        return ActorCritic(torso=SMMCNN(), num_actions=num_actions)
-    if name == "mlp":
-        hidden = tuple(mlp_hidden_sizes)
-        return ActorCritic(torso=MLP(hidden), num_actions=num_actions, value_torso=MLP(hidden))
-    raise ValueError(
-        f"unknown network {name!r}; choose one of nature_cnn, impala_resnet, smm_cnn, mlp"
-    )
+    # The feed-forward mlp has a value torso of its own (see ActorCritic).
+    value_torso = MLP(hidden) if name == "mlp" else None
+    return ActorCritic(torso=torsos[name](), num_actions=num_actions, value_torso=value_torso)

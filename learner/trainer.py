@@ -112,10 +112,7 @@ class Trainer:
 
     def request_stop(self) -> None:
         """Multi-host: stop after the update at which every process agrees to (the others may
-        be waiting in an all-reduce for this one's share); keep serving until `agreed_stop`.
-        A single process simply stops."""
-        if not self.coordinated:
-            self.stop()
+        be waiting in an all-reduce for this one's share); `agreed_stop` is set then."""
         self._stop_requested.set()
 
     def join(self) -> None:

@@ -219,15 +219,15 @@ class UnrollStore:
             raise ValueError("observe() writes into a C-contiguous array only")
         with self._lock:
             live = self._owner[slots] == owners
-            position = self._length[slots] + (stack - 1)  # where the new frame goes
+            length = self._length[slots]
+            position = length + (stack - 1)  # where the new frame goes
             mine, at = slots[live], position[live]
             self._observations[mine, at] = observations[live]
             self._first[mine, at] = self._episode_start[mine]
             if first_out is not None:
                 first_out[:] = self._episode_start[slots]
             if at_start_out is not None:
-                step = self._length[slots]
-                at_start_out[:] = (step == 0) | (step == self.unroll_length)
+                at_start_out[:] = (length == 0) | (length == self.unroll_length)
             window = position[:, None] + np.arange(1 - stack, 1)  # [N, S], oldest first
             rows = slots[:, None] * self._observations.shape[1] + window
             frames = self._observations.reshape(-1, *self._observation_spec.shape)

@@ -24,7 +24,7 @@ from learner.agents.vtrace import learning
 from learner.config import PRESETS
 from learner.devices import Placement
 from learner.learner import learning_rate_schedule, loss_settings, optimizer_for
-from learner.networks import make_network
+from learner.networks import init_params, make_network
 
 LSTM_SIZE = 16
 
@@ -82,14 +82,10 @@ def main(count: int, network_name: str) -> dict:
     trajectories, num_actions, example = random_batch(
         network_name, steps, batch, np.random.default_rng(0)
     )
-    if network_name == "lstm":
-        network = make_network("mlp", num_actions, config.mlp_hidden_sizes, LSTM_SIZE)
-        params = network.init(
-            jax.random.key(0), example[None], np.ones((1, 1), np.bool_), network.initial_state(1)
-        )
-    else:
-        network = make_network(network_name, num_actions, config.mlp_hidden_sizes)
-        params = network.init(jax.random.key(0), example)
+    lstm_size = LSTM_SIZE if network_name == "lstm" else 0
+    torso = "mlp" if network_name == "lstm" else network_name
+    network = make_network(torso, num_actions, config.mlp_hidden_sizes, lstm_size)
+    params = init_params(network, jax.random.key(0), example)
     optimizers = {
         # The preset's optimizer (Adam: its first step is nearly the gradient's sign) ...
         "update": optimizer_for(config, learning_rate_schedule(config, batch)),

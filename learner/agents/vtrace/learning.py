@@ -209,21 +209,19 @@ def make_update_fn(
     applied would spoil the parameters for good.
     """
 
-    def update(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
-        if axis is None:
-            grads, metrics = jax.grad(loss_fn, has_aux=True)(
-                state.params, apply_fn, batch, settings
-            )
-        else:
-            # In shard_map the gradient of the replicated parameters comes back summed over
-            # the devices (the transpose of their broadcast is a psum: the all-reduce), so
-            # each device's loss is divided by their number to make the sum the mean.
-            def share_of_loss(params):
-                total, metrics = loss_fn(params, apply_fn, batch, settings)
-                return total / jax.lax.axis_size(axis), metrics
+    axis = placement.axis_name if placement is not None and placement.sharded else None
 
-            grads, metrics = jax.grad(share_of_loss, has_aux=True)(state.params)
-            metrics = jax.lax.pmean(metrics, axis)
+    def share_of_loss(params: Params, batch: Trajectories) -> tuple[jax.Array, dict]:
+        total, metrics = loss_fn(params, apply_fn, batch, settings)
+        if axis is None:
+            return total, metrics
+        # In shard_map the gradient of the replicated parameters comes back summed over
+        # the devices (the transpose of their broadcast is a psum: the all-reduce), so
+        # each device's loss is divided by their number to make the sum the mean.
+        return total / jax.lax.axis_size(axis), jax.lax.pmean(metrics, axis)
+
+    def update(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
+        grads, metrics = jax.grad(share_of_loss, has_aux=True)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
@@ -234,11 +232,7 @@ def make_update_fn(
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), stepped, state)
         return kept, metrics
 
-    if placement is None or not placement.sharded:
-        axis = None
-        return jax.jit(update)
-    axis = placement.axis_name
-    return placement.jit_sharded(update)
+    return jax.jit(update) if axis is None else placement.jit_sharded(update)
 
 
 class PolicyStep(NamedTuple):
