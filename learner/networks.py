@@ -8,12 +8,15 @@ network, so the wire and the unroll store keep the compact uint8 form.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from learner.ops.strided_conv import conv_general_dilated
 
 NetworkName = Literal["nature_cnn", "impala_resnet", "smm_cnn", "mlp"]
 
@@ -25,9 +28,11 @@ def _images_to_float(observations: jax.Array) -> jax.Array:
 
 def _nature_layers(x: jax.Array, hidden_size: int) -> jax.Array:
     """The DQN layers on float [B, H, W, C]; called inside a module's compact __call__."""
-    x = nn.relu(nn.Conv(32, (8, 8), strides=(4, 4), padding="VALID")(x))
-    x = nn.relu(nn.Conv(64, (4, 4), strides=(2, 2), padding="VALID")(x))
-    x = nn.relu(nn.Conv(64, (3, 3), strides=(1, 1), padding="VALID")(x))
+    # Strided layers take their input gradient through space-to-depth (ops/strided_conv.py).
+    conv = functools.partial(nn.Conv, padding="VALID", conv_general_dilated=conv_general_dilated)
+    x = nn.relu(conv(32, (8, 8), strides=(4, 4))(x))
+    x = nn.relu(conv(64, (4, 4), strides=(2, 2))(x))
+    x = nn.relu(conv(64, (3, 3), strides=(1, 1))(x))
     x = x.reshape(x.shape[0], -1)
     return nn.relu(nn.Dense(hidden_size)(x))
 
