@@ -77,9 +77,16 @@ def _forward(x, kernel, strides, pads, precision):
 def _backward(strides, pads, precision, residuals, grad):
     x, kernel = residuals
     _, kernel_vjp = jax.vjp(lambda k: _direct(x, k, strides, pads, precision), kernel)
-    _, x_vjp = jax.vjp(lambda v: _space_to_depth(v, kernel, strides, pads, precision), x)
+
+    def input_gradient(conv):
+        return lambda g: jax.vjp(lambda v: conv(v, kernel, strides, pads, precision), x)[1](g)[0]
+
+    # Only XLA:CPU gains: GPU and TPU libraries run the strided gradient natively.
     # Under jit, XLA drops the input gradient where nothing uses it (a network's input).
-    return x_vjp(grad)[0], kernel_vjp(grad)[0]
+    x_grad = lax.platform_dependent(
+        grad, cpu=input_gradient(_space_to_depth), default=input_gradient(_direct)
+    )
+    return x_grad, kernel_vjp(grad)[0]
 
 
 strided_conv.defvjp(_forward, _backward)
