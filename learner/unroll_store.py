@@ -219,25 +219,35 @@ class UnrollStore:
             raise ValueError("observe() writes into a C-contiguous array only")
         with self._lock:
             live = self._owner[slots] == owners
+            all_live = bool(live.all())  # the usual case: no masked copies
             length = self._length[slots]
             position = length + (stack - 1)  # where the new frame goes
-            mine, at = slots[live], position[live]
-            self._observations[mine, at] = observations[live]
+            mine, at, new = (
+                (slots, position, observations)
+                if all_live
+                else (slots[live], position[live], observations[live])
+            )
+            self._observations[mine, at] = new
             self._first[mine, at] = self._episode_start[mine]
             if first_out is not None:
                 first_out[:] = self._episode_start[slots]
             if at_start_out is not None:
                 at_start_out[:] = (length == 0) | (length == self.unroll_length)
+            if stack == 1:
+                # The policy sees the new observation alone.
+                np.copyto(out, observations)
+                if not all_live:
+                    out[~live] = 0
+                return live
             window = position[:, None] + np.arange(1 - stack, 1)  # [N, S], oldest first
             rows = slots[:, None] * self._observations.shape[1] + window
             frames = self._observations.reshape(-1, *self._observation_spec.shape)
             stacked = out.reshape(num, stack, *self._observation_spec.shape)
             # Every row is in range; "clip" spares numpy's buffered copy of "raise".
             np.take(frames, rows, axis=0, out=stacked, mode="clip")
-            if stack > 1 or not live.all():
-                valid = window_validity(self._first[slots[:, None], window]) & live[:, None]
-                if not valid.all():
-                    stacked[~valid] = 0
+            valid = window_validity(self._first[slots[:, None], window]) & live[:, None]
+            if not valid.all():
+                stacked[~valid] = 0
             return live
 
     def append(

@@ -112,6 +112,20 @@ def test_steps_of_a_previous_owner_are_dropped():
     assert [u.observations[:, 0].tolist() for u in unrolls] == [[1, 2]]
 
 
+def test_the_policy_sees_zeros_for_rows_of_a_previous_owner():
+    """One batch mixing a live stream's rows with a gone one's (no frame stack)."""
+    store = UnrollStore(unroll_length=2, observation_spec=SPEC, initial_slots=4)
+    gone = store.allocate(owner=1, count=2)
+    store.release(1, gone)
+    live = store.allocate(owner=2, count=2)
+    slots = np.concatenate([live[:1], gone[:1], live[1:]])
+    owners = np.array([2, 1, 2])
+    seen = np.full((3, 1), -1, np.int32)
+    alive = store.observe(slots, owners, np.array([[7], [666], [9]], np.int32), seen)
+    assert alive.tolist() == [True, False, True]
+    assert seen[:, 0].tolist() == [7, 0, 9]
+
+
 def test_episode_returns_are_raw_sums_between_ends():
     store = UnrollStore(unroll_length=50, observation_spec=SPEC)
     slots = store.allocate(owner=1, count=1)
