@@ -66,12 +66,6 @@ def device_indices(spec: str) -> list[int] | None:
     return indices
 
 
-def requested_count(spec: str) -> int | None:
-    """How many devices `spec` names ("4" -> 4, "0,2" -> 2), or None for "all"."""
-    indices = device_indices(spec)
-    return None if indices is None else len(indices)
-
-
 def prepare_cpu_devices(spec: str, inference_device: int = -1) -> None:
     """Before JAX starts its backend: lets the CPU backend have as many devices as asked.
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from learner.config import LearnerConfig, parse_cli
-from learner.devices import DeviceError, distributed_settings, requested_count
+from learner.devices import DeviceError, device_indices, distributed_settings
 from learner.learner import global_batch_size, learning_rate_schedule, scaled_learning_rate
 from tests.fleet import (
     ROOT,
@@ -38,13 +38,13 @@ def forced_devices(count: int) -> dict[str, str]:
 
 
 def test_device_counts_parse_and_bad_ones_say_what_is_accepted():
-    assert requested_count("1") == 1
-    assert requested_count("4") == 4
-    assert requested_count("all") is None
-    assert requested_count("0,2") == 2
+    assert device_indices("1") == [0]
+    assert device_indices("4") == [0, 1, 2, 3]
+    assert device_indices("all") is None
+    assert device_indices("0,2") == [0, 2]
     for bad in ("0", "two", "1,1", "-1,0"):
         with pytest.raises(DeviceError):
-            requested_count(bad)
+            device_indices(bad)
     with pytest.raises(ValueError, match="learner-devices"):
         LearnerConfig(learner_devices="many")
 

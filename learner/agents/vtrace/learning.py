@@ -254,12 +254,16 @@ def make_policy_fn(
         params: Params, observations: jax.Array, key: jax.Array
     ) -> tuple[PolicyStep, jax.Array]:
         key, sample_key = jax.random.split(key)
-        logits = apply_fn(params, observations).logits
-        actions = jax.random.categorical(sample_key, logits).astype(jnp.int32)
-        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=-1)
-        return PolicyStep(actions, log_probs[:, 0]), key
+        return _sample(apply_fn(params, observations).logits, sample_key), key
 
     return jax.jit(policy)
+
+
+def _sample(logits: jax.Array, key: jax.Array) -> PolicyStep:
+    """Actions drawn from logits [N, A], with their log-probabilities."""
+    actions = jax.random.categorical(key, logits).astype(jnp.int32)
+    log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=-1)
+    return PolicyStep(actions, log_probs[:, 0])
 
 
 class RecurrentPolicyStep(NamedTuple):
@@ -290,15 +294,11 @@ def make_recurrent_policy_fn(apply_fn: Callable) -> Callable[..., RecurrentPolic
         state_in = states.at[slots].get(mode="fill", fill_value=0.0)
         finished_starts = starts.at[slots].get(mode="fill", fill_value=0.0)
         output, state_out = apply_fn(params, observations[None], first[None], state_in)
-        logits = output.logits[0]
-        actions = jax.random.categorical(sample_key, logits).astype(jnp.int32)
-        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], axis=-1)
+        step = _sample(output.logits[0], sample_key)
         states = states.at[slots].set(state_out, mode="drop")
         new_starts = jnp.where(at_start[:, None, None], state_in, finished_starts)
         starts = starts.at[slots].set(new_starts, mode="drop")
-        return RecurrentPolicyStep(
-            PolicyStep(actions, log_probs[:, 0]), key, states, starts, finished_starts
-        )
+        return RecurrentPolicyStep(step, key, states, starts, finished_starts)
 
     return jax.jit(policy, donate_argnums=(5, 6))
 
