@@ -94,7 +94,10 @@ class AtariVectorEnv:
         )
 
     def reset(self, seed: int | None = None) -> EnvStep:
-        observations, _ = self._env.reset(seed=self._seed if seed is None else seed)
+        # The construction seed seeds the first reset; later unseeded resets go on
+        # from each env's random stream instead of replaying the same episodes.
+        seed, self._seed = (self._seed if seed is None else seed), None
+        observations, _ = self._env.reset(seed=seed)
         self._last = observations
         return first_step(observations)
 

@@ -25,7 +25,12 @@ class VectorEnv(Protocol):
     num_envs: int
 
     def reset(self, seed: int | None = None) -> EnvStep:
-        """Starts a new episode in every env; rewards 0, flags clear."""
+        """Starts a new episode in every env; rewards 0, flags clear.
+
+        With `seed`, env i is seeded with seed + i. Without one, the first reset
+        uses the seed the env was made with (if any) and later resets go on from
+        each env's random stream, so no two resets replay the same episodes.
+        """
         ...
 
     def step(self, actions: np.ndarray) -> EnvStep:

@@ -1,12 +1,14 @@
-"""The actor's own logic: backoff, giving up, refusing bad configuration."""
+"""The actor's own logic: backoff, giving up, refusing bad configuration, seeding."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from actors.actor import EXIT_GAVE_UP, ActorConfig, Backoff
+from actors.actor import EXIT_GAVE_UP, Actor, ActorConfig, Backoff
+from envs import counting
 from tests.fleet import free_port, spawn_actor
 
 
@@ -41,3 +43,15 @@ def test_the_actor_gives_up_when_no_learner_answers(tmp_path):
     assert actor.wait(timeout_s=60) == EXIT_GAVE_UP
     log = actor.log()
     assert "cannot reach the learner" in log and "giving up" in log
+
+
+def test_each_group_is_seeded_apart_and_a_seed_reproduces_the_actor():
+    def first_observations(seed):
+        actor = Actor(ActorConfig(env="counting:v0", num_envs=6, groups=3, seed=seed))
+        return [group.env.reset().observations[:, counting.NONCE] for group in actor.groups]
+
+    groups = first_observations(5)
+    nonces = np.concatenate(groups)
+    assert len(set(nonces.tolist())) == len(nonces)  # no two groups play the same envs
+    np.testing.assert_array_equal(np.stack(first_observations(5)), np.stack(groups))
+    assert not np.array_equal(np.stack(first_observations(6)), np.stack(groups))

@@ -121,3 +121,23 @@ def test_a_family_registered_from_outside_is_made_by_id():
         assert "plugin" in registry.families()
     finally:
         registry._FAMILIES.pop("plugin")
+
+
+def _episode_start(env, steps: int) -> np.ndarray:
+    """A reset and `steps` steps of fixed pseudo-random actions: every observation."""
+    actions = np.random.default_rng(0).integers(0, env.spec.action.num_actions, (steps, 2))
+    frames = [env.reset().observations]
+    frames += [env.step(actions[t].astype(np.int32)).observations for t in range(steps)]
+    return np.stack(frames)
+
+
+@pytest.mark.parametrize("env_id", ["atari:Pong", "classic:CartPole-v1"])
+def test_the_construction_seed_fixes_the_first_episode_and_only_the_first(env_id):
+    # The actor resets on every reconnection: a reset must not replay the episodes the
+    # seed fixed (and reseeding ale-py costs a ROM reload per env).
+    first, second = (registry.make(env_id, num_envs=2, seed=11) for _ in range(2))
+    episode = _episode_start(first, 60)
+    np.testing.assert_array_equal(_episode_start(second, 60), episode)  # reproducible
+    assert not np.array_equal(_episode_start(first, 60), episode)  # the next one differs
+    first.close()
+    second.close()
