@@ -72,8 +72,9 @@ def plot_raw_and_end_to_end(path: str, results: dict[str, CaseResult]) -> None:
     for case in ("a", "c", "d"):
         result = results.get(case)
         for row in result.rows if result else []:
+            groups = f" G={row['groups']}" if case == "c" else ""
             labels.append(
-                f"({case}) {row['env']}\nP={row['processes']} K={row['envs_per_process']}"
+                f"({case}) {row['env']}\nP={row['processes']} K={row['envs_per_process']}{groups}"
             )
             values.append(row["env_frames_per_s"])
     if values:
