@@ -308,9 +308,7 @@ class Actor:
 
     async def _serve(self, group: _Group, call) -> None:
         # The learner dropped our past: every env starts a new episode under the new run
-        # id. Not reseeded: a seeded reset costs ale-py a ROM reload (~0.1 s per env, a
-        # 32-env actor's reconnection 3.5 s against 0.15), and the envs' random streams
-        # already differ from the last run's.
+        # id, going on from its random stream (not reseeded: see envs.base.SeedOnce).
         step = group.env.reset()
         while True:
             await call.write(group.codec.encode_step(step))

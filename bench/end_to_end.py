@@ -264,15 +264,14 @@ def run_trivial(settings: Settings, raw: CaseResult | None) -> CaseResult:
         ]
     )
     for envs in sorted({envs for envs, _ in configurations}):
-        raw_before = None
-        if raw is not None and envs == num_envs:
-            for row in raw.rows:
-                if (row["env"], row["processes"], row["envs_per_process"]) == (
-                    env,
-                    processes,
-                    envs,
-                ):
-                    raw_before = row["env_frames_per_s"]
+        raw_before = next(
+            (
+                row["env_frames_per_s"]
+                for row in (raw.rows if raw is not None else [])
+                if (row["env"], row["processes"], row["envs_per_process"]) == (env, processes, envs)
+            ),
+            None,
+        )
         if raw_before is None:
             # Case (a) was not run for this K: measure the ceiling here, in this same run.
             _, raw_before = raw_env.measure(

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import first_step, spec_of_one
+from envs.base import SeedOnce, first_step, spec_of_one
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -71,7 +71,7 @@ class AtariVectorEnv:
         if unknown:
             raise ValueError(f"unknown Atari settings {sorted(unknown)}")
         self.num_envs = num_envs
-        self._seed = seed
+        self._seed = SeedOnce(seed)
         self._last: np.ndarray | None = None
         chosen = {**ATARI_SETTINGS, **(settings or {})}
         # The actor sends one frame per step; the learner keeps the stack (SEED RL's
@@ -94,10 +94,7 @@ class AtariVectorEnv:
         )
 
     def reset(self, seed: int | None = None) -> EnvStep:
-        # The construction seed seeds the first reset; later unseeded resets go on
-        # from each env's random stream instead of replaying the same episodes.
-        seed, self._seed = (self._seed if seed is None else seed), None
-        observations, _ = self._env.reset(seed=seed)
+        observations, _ = self._env.reset(seed=self._seed.take(seed))
         self._last = observations
         return first_step(observations)
 

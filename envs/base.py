@@ -40,6 +40,22 @@ class VectorEnv(Protocol):
     def close(self) -> None: ...
 
 
+class SeedOnce:
+    """The seed an env was made with, for its first reset only (see VectorEnv.reset).
+
+    Later unseeded resets go on from each env's random stream instead of
+    replaying the episodes the seed fixed (and spare ale-py a ROM reload per env).
+    """
+
+    def __init__(self, seed: int | None):
+        self._seed = seed
+
+    def take(self, seed: int | None) -> int | None:
+        """`seed` when one is given; else the construction seed the first time, then None."""
+        chosen, self._seed = (self._seed if seed is None else seed), None
+        return chosen
+
+
 def checked_actions(actions: np.ndarray, num_envs: int, num_actions: int) -> np.ndarray:
     """int64 [K] actions, or ValueError when there are not K of them in 0..num_actions-1."""
     actions = np.asarray(actions, np.int64)

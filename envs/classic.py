@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envs.base import first_step, from_gymnasium, spec_of_one
+from envs.base import SeedOnce, first_step, from_gymnasium, spec_of_one
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -50,7 +50,7 @@ class ClassicVectorEnv:
         self._env = env
         self._render = render
         self.render_fps = int(env.metadata.get("render_fps") or 30)
-        self._seed = seed
+        self._seed = SeedOnce(seed)
         self._obs_dtype = _observation_dtype(env.single_observation_space)
         self.num_envs = num_envs
         self.spec = EnvSpec(
@@ -60,10 +60,7 @@ class ClassicVectorEnv:
         )
 
     def reset(self, seed: int | None = None) -> EnvStep:
-        # The construction seed seeds the first reset; later unseeded resets go on
-        # from each env's random stream instead of replaying the same episodes.
-        seed, self._seed = (self._seed if seed is None else seed), None
-        observations, _ = self._env.reset(seed=seed)
+        observations, _ = self._env.reset(seed=self._seed.take(seed))
         return first_step(observations.astype(self._obs_dtype, copy=False))
 
     def step(self, actions: np.ndarray) -> EnvStep:

@@ -36,7 +36,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from envs.base import first_step, from_gymnasium
+from envs.base import SeedOnce, first_step, from_gymnasium
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
@@ -201,7 +201,7 @@ class FootballVectorEnv:
             [(lambda: FootballEnv(scenario, representation, render_mode)) for _ in range(num_envs)],
             autoreset_mode=AutoresetMode.NEXT_STEP,
         )
-        self._seed = seed
+        self._seed = SeedOnce(seed)
         self._render = render
         self.num_envs = num_envs
         self.render_fps = STEPS_PER_SECOND
@@ -213,10 +213,7 @@ class FootballVectorEnv:
         )
 
     def reset(self, seed: int | None = None) -> EnvStep:
-        # The construction seed seeds the first reset; later unseeded resets go on
-        # from each env's random stream instead of replaying the same episodes.
-        seed, self._seed = (self._seed if seed is None else seed), None
-        observations, _ = self._env.reset(seed=seed)
+        observations, _ = self._env.reset(seed=self._seed.take(seed))
         return first_step(observations)
 
     def step(self, actions: np.ndarray) -> EnvStep:
