@@ -200,21 +200,19 @@ class InferenceLoop:
             core_slots[num_envs:] = NO_SLOT
             if self._store.capacity > self._states.shape[0]:
                 self._grow_core_states(self._store.capacity)
-        offset = 0
-        for request in batch:
-            rows = slice(offset, offset + request.num_envs)
-            live = self._store.observe(
-                request.slots,
-                request.slot_owners,
-                request.step.observations,
-                observations[rows],
-                first_out=None if first is None else first[rows],
-                at_start_out=None if at_start is None else at_start[rows],
-            )
-            if core_slots is not None:
-                # A stream gone: its rows neither read nor write any slot's state.
-                core_slots[rows] = np.where(live, request.slots, NO_SLOT)
-            offset = rows.stop
+        slots = np.concatenate([request.slots for request in batch])
+        owners = np.concatenate([request.slot_owners for request in batch])
+        live = self._store.observe(
+            slots,
+            owners,
+            [request.step.observations for request in batch],
+            observations[:num_envs],
+            first_out=None if first is None else first[:num_envs],
+            at_start_out=None if at_start is None else at_start[:num_envs],
+        )
+        if core_slots is not None:
+            # A stream gone: its rows neither read nor write any slot's state.
+            core_slots[:num_envs] = np.where(live, slots, NO_SLOT)
 
         params, version = self._parameters.latest()
         step, finished_starts = self._policy(params, size)
@@ -230,8 +228,6 @@ class InferenceLoop:
             offset = end
         self._deliver(batch, replies)
 
-        slots = np.concatenate([request.slots for request in batch])
-        owners = np.concatenate([request.slot_owners for request in batch])
         step_of_batch = EnvStep(
             observations=None,  # the store has them from observe()
             rewards=np.concatenate([r.step.rewards for r in batch]),
@@ -257,15 +253,17 @@ class InferenceLoop:
                 unroll._replace(core_state=finished_starts[row_of[unroll.slot]])
                 for unroll in unrolls
             ]
-        for unroll in unrolls:
-            self._enqueue(unroll)
+        if unrolls:
+            self._enqueue(unrolls)
 
-    def _enqueue(self, unroll: Any) -> None:
+    def _enqueue(self, unrolls: list[Any]) -> None:
+        """Queues the unrolls for the trainer, waiting while the queue is full."""
         waited = time.perf_counter()
-        while not self._stop.is_set():
-            try:
-                self._unrolls.put(unroll, timeout=0.1)
-                break
-            except queue.Full:
-                continue
+        for unroll in unrolls:
+            while not self._stop.is_set():
+                try:
+                    self._unrolls.put(unroll, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
         self._stats.add_time("inference_blocked", time.perf_counter() - waited)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -198,23 +199,28 @@ class UnrollStore:
         self,
         slots: np.ndarray,
         owners: np.ndarray,
-        observations: np.ndarray,
+        observations: np.ndarray | Sequence[np.ndarray],
         out: np.ndarray,
         first_out: np.ndarray | None = None,
         at_start_out: np.ndarray | None = None,
     ) -> np.ndarray:
         """Takes N slots' new observations and writes what the policy sees into `out`.
 
-        `observations` is [N, *observation_shape]; `out` is [N, S * shape[0], ...]
-        (or [N, *observation_shape] without stacking). Rows of slots whose owner
-        changed are zeros. Call `append` for the same slots after inference.
+        `observations` is [N, *observation_shape], or arrays whose rows, in order,
+        are those N (one per actor message: the batch is not concatenated first);
+        `out` is [N, S * shape[0], ...] (or [N, *observation_shape] without
+        stacking). Rows of slots whose owner changed are zeros. Call `append` for
+        the same slots after inference.
         For recurrent agents, bool [N] `first_out` gets whether each observation
         starts an episode, and `at_start_out` whether it is step 0 of an unroll
         (a new slot's first, or the last step of the unroll it completes).
         Returns bool [N]: which slots still belong to `owners`.
         """
+        parts = [observations] if isinstance(observations, np.ndarray) else observations
         stack = self.frame_stack
         num = len(slots)
+        if sum(len(part) for part in parts) != num:
+            raise ValueError(f"observations for {sum(map(len, parts))} envs, slots for {num}")
         if not out.flags.c_contiguous:
             raise ValueError("observe() writes into a C-contiguous array only")
         with self._lock:
@@ -222,22 +228,35 @@ class UnrollStore:
             all_live = bool(live.all())  # the usual case: no masked copies
             length = self._length[slots]
             position = length + (stack - 1)  # where the new frame goes
-            mine, at, new = (
-                (slots, position, observations)
-                if all_live
-                else (slots[live], position[live], observations[live])
-            )
-            self._observations[mine, at] = new
+            if stack == 1:
+                # The policy sees the new observation alone: one copy into `out`, and
+                # the store's copy taken from there.
+                if len(parts) == 1:
+                    np.copyto(out, parts[0])
+                else:
+                    np.concatenate(parts, out=out)
+                if all_live:
+                    self._observations[slots, position] = out
+                else:
+                    self._observations[slots[live], position[live]] = out[live]
+                    out[~live] = 0
+            else:
+                start = 0
+                for part in parts:
+                    rows = slice(start, start + len(part))
+                    start = rows.stop
+                    if all_live:
+                        self._observations[slots[rows], position[rows]] = part
+                    else:
+                        keep = live[rows]
+                        self._observations[slots[rows][keep], position[rows][keep]] = part[keep]
+            mine, at = (slots, position) if all_live else (slots[live], position[live])
             self._first[mine, at] = self._episode_start[mine]
             if first_out is not None:
                 first_out[:] = self._episode_start[slots]
             if at_start_out is not None:
                 at_start_out[:] = (length == 0) | (length == self.unroll_length)
             if stack == 1:
-                # The policy sees the new observation alone.
-                np.copyto(out, observations)
-                if not all_live:
-                    out[~live] = 0
                 return live
             window = position[:, None] + np.arange(1 - stack, 1)  # [N, S], oldest first
             rows = slots[:, None] * self._observations.shape[1] + window
@@ -283,8 +302,7 @@ class UnrollStore:
             self._versions[slots, position] = policy_version
             self._length[slots] = position + 1
             stats = self._count_episodes(slots, step)
-            full = slots[position + 1 == self.unroll_length + 1]
-            return [self._emit(slot) for slot in full.tolist()], stats
+            return self._emit(slots[position + 1 == self.unroll_length + 1]), stats
 
     def _count_episodes(self, slots: np.ndarray, step: EnvStep) -> EpisodeStats:
         transition = ~self._episode_start[slots]
@@ -315,23 +333,37 @@ class UnrollStore:
         np.copyto(target, source)
         return target
 
-    def _emit(self, slot: int) -> Unroll:
+    def _emit(self, slots: np.ndarray) -> list[Unroll]:
+        """The unrolls of the full `slots`; each slot keeps its last step to start the next."""
+        if not len(slots):
+            return []
         last = self.unroll_length
-        unroll = Unroll(
-            observations=self._copy_observations(slot),
-            first=self._first[slot].copy(),
-            actions=self._actions[slot].copy(),
-            behaviour_log_probs=self._log_probs[slot].copy(),
-            rewards=self._rewards[slot].copy(),
-            terminated=self._terminated[slot].copy(),
-            truncated=self._truncated[slot].copy(),
-            policy_versions=self._versions[slot].copy(),
-            owner=int(self._owner[slot]),
-            slot=slot,
-        )
+        # One gather per array for all of them; each unroll gets its own row (a view
+        # of that copy), rather than ten small copies per unroll.
+        per_step = [
+            array[slots]
+            for array in (
+                self._first,
+                self._actions,
+                self._log_probs,
+                self._rewards,
+                self._terminated,
+                self._truncated,
+                self._versions,
+            )
+        ]
+        unrolls = [
+            Unroll(self._copy_observations(slot), *rows, owner=owner, slot=slot)
+            for slot, owner, rows in zip(
+                slots.tolist(),
+                self._owner[slots].tolist(),
+                zip(*per_step, strict=True),
+                strict=True,
+            )
+        ]
         # The next unroll starts with this one's last step and the S-1 frames before it.
         for array in (self._observations, self._first):
-            array[slot, : self.frame_stack] = array[slot, last:]
+            array[slots, : self.frame_stack] = array[slots, last:]
         for array in (
             self._actions,
             self._log_probs,
@@ -340,6 +372,6 @@ class UnrollStore:
             self._truncated,
             self._versions,
         ):
-            array[slot, 0] = array[slot, last]
-        self._length[slot] = 1
-        return unroll
+            array[slots, 0] = array[slots, last]
+        self._length[slots] = 1
+        return unrolls

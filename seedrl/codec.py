@@ -105,6 +105,24 @@ def encode_actions_message(actions: np.ndarray, policy_version: int) -> bytes:
     return b"".join((_TAG_ACTIONS.to_bytes(1, "little"), _varint(len(inner)), inner))
 
 
+def _canonical_layout(
+    fields: tuple[tuple[int, int], ...],
+) -> tuple[int, tuple[tuple[int, int, bytes], ...], tuple[tuple[int, int], ...]]:
+    """Where an ActorMessage{step} of these (tag, size) fields, written in order, puts
+    things: (its length, (start, end, expected bytes) of each header, (start, end) of
+    each field's data). Every field must be non-empty (proto3 leaves empty ones out)."""
+    headers = [bytes((tag,)) + _varint(size) for tag, size in fields]
+    body = sum(len(header) + size for header, (_, size) in zip(headers, fields, strict=True))
+    headers[0] = bytes((_TAG_STEP,)) + _varint(body) + headers[0]  # the message's own
+    checks, spans, position = [], [], 0
+    for header, (_, size) in zip(headers, fields, strict=True):
+        checks.append((position, position + len(header), header))
+        position += len(header)
+        spans.append((position, position + size))
+        position += size
+    return position, tuple(checks), tuple(spans)
+
+
 class EnvStep(NamedTuple):
     """What K environments report after one step; arrays have K as leading dim."""
 
@@ -128,8 +146,17 @@ class StepCodec:
         self.action_spec = action_spec
         self.num_envs = num_envs
         self._obs_dtype = observation_spec.np_dtype
+        self._obs_float = self._obs_dtype.kind == "f"
         self._obs_shape = (num_envs, *observation_spec.shape)
         self._obs_nbytes = num_envs * observation_spec.nbytes
+        self._layout = _canonical_layout(
+            (
+                (_TAG_OBSERVATIONS, self._obs_nbytes),
+                (_TAG_REWARDS, num_envs * REWARD_DTYPE.itemsize),
+                (_TAG_TERMINATED, num_envs * FLAG_DTYPE.itemsize),
+                (_TAG_TRUNCATED, num_envs * FLAG_DTYPE.itemsize),
+            )
+        )
 
     # -- actor side ---------------------------------------------------------
 
@@ -156,7 +183,7 @@ class StepCodec:
 
     def decode_actions(self, actions: seedrl_pb2.Actions) -> np.ndarray:
         """int32 [K] actions from the learner, checked against the action spec."""
-        values = self._read(actions.actions, ACTION_DTYPE, (self.num_envs,), "actions")
+        values = self._read(actions.actions, ACTION_DTYPE, "actions")
         if values.size and (values.min() < 0 or values.max() >= self.action_spec.num_actions):
             raise WireError(
                 f"actions {values.tolist()} fall outside 0..{self.action_spec.num_actions - 1}"
@@ -168,13 +195,19 @@ class StepCodec:
     def decode_step_message(self, raw: bytes) -> EnvStep | None:
         """A serialised ActorMessage{step} as views onto `raw` (no copy); None when `raw`
         is not a step as the fast reader knows it (parse it with protobuf instead)."""
+        view = memoryview(raw)
+        length, headers, spans = self._layout
+        if len(raw) == length and all(raw[start:end] == header for start, end, header in headers):
+            # The bytes every encoder writes for K envs (encode_step's, protobuf's): each
+            # field's header where this stream's sizes put it, so nothing to scan.
+            return self._decode(*(view[start:end] for start, end in spans))
         fields = step_fields(raw)
         if fields is None:
             return None
         empty = (0, 0)
         return self._decode(
             *(
-                memoryview(raw)[slice(*fields.get(tag, empty))]
+                view[slice(*fields.get(tag, empty))]
                 for tag in (_TAG_OBSERVATIONS, _TAG_REWARDS, _TAG_TERMINATED, _TAG_TRUNCATED)
             )
         )
@@ -191,10 +224,10 @@ class StepCodec:
                 f"{self._obs_nbytes} ({self.num_envs} envs x {self.observation_spec})"
             )
         observations = np.frombuffer(observations, self._obs_dtype).reshape(self._obs_shape)
-        if self._obs_dtype.kind == "f" and not np.isfinite(observations).all():
+        if self._obs_float and not np.isfinite(observations).all():
             # One NaN would reach the gradients and spoil the parameters for everyone.
             raise WireError("observations are not all finite")
-        rewards = self._read(rewards, REWARD_DTYPE, (self.num_envs,), "rewards")
+        rewards = self._read(rewards, REWARD_DTYPE, "rewards")
         if not np.isfinite(rewards).all():
             raise WireError(f"rewards are not all finite: {rewards.tolist()}")
         terminated = self._read_flags(terminated, "terminated")
@@ -206,17 +239,18 @@ class StepCodec:
 
     # -- helpers ------------------------------------------------------------
 
-    def _read(self, data: bytes, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
-        expected = int(np.prod(shape)) * dtype.itemsize
+    def _read(self, data: bytes, dtype: np.dtype, name: str) -> np.ndarray:
+        """[K] values of `dtype`, one per env."""
+        expected = self.num_envs * dtype.itemsize
         if len(data) != expected:
             raise WireError(
                 f"{name} hold {len(data)} bytes, expected {expected} "
                 f"({self.num_envs} envs x {dtype.name})"
             )
-        return np.frombuffer(data, dtype).reshape(shape)
+        return np.frombuffer(data, dtype)
 
     def _read_flags(self, data: bytes, name: str) -> np.ndarray:
-        flags = self._read(data, FLAG_DTYPE, (self.num_envs,), name)
-        if flags.size and flags.max() > 1:
+        flags = self._read(data, FLAG_DTYPE, name)
+        if np.maximum.reduce(flags) > 1:  # K >= 1: never empty
             raise WireError(f"{name} flags must be 0 or 1, got {flags.tolist()}")
         return flags.view(np.bool_)

@@ -183,3 +183,18 @@ def test_a_network_that_cannot_read_the_observations_is_refused_clearly(name, dt
 )
 def test_networks_accept_what_they_read(name, dtype, shape):
     check_network_fits(name, dtype, shape)
+
+
+def test_the_uniform_policy_draws_every_action_evenly_and_moves_its_key_on():
+    """The serving benchmarks' stand-in policy: uniform over the actions, a fresh draw
+    per call."""
+    policy = learning.make_uniform_policy_fn(6)
+    observations = np.zeros((6000, 2), np.float32)
+    step, key = policy({}, observations, jax.random.key(0))
+    counts = np.bincount(np.asarray(step.actions), minlength=6)
+    assert counts.shape == (6,)
+    # Chi-square with 5 degrees of freedom: 20.5 is its 0.999 quantile.
+    assert ((counts - 1000) ** 2 / 1000).sum() < 20.5, counts
+    np.testing.assert_allclose(step.log_probs, -np.log(6), rtol=1e-6)
+    again, _ = policy({}, observations, key)
+    assert (np.asarray(again.actions) != np.asarray(step.actions)).mean() > 0.7

@@ -179,3 +179,54 @@ def test_fast_decode_checks_sizes_and_values_like_the_slow_path():
     bad_flag = protobuf_step(step._replace(terminated=np.array([2, 0], np.uint8)))
     with pytest.raises(WireError, match="terminated flags must be 0 or 1"):
         codec.decode_step_message(bad_flag)
+
+
+def test_fast_decode_reads_fields_by_their_tags_not_by_where_they_usually_are():
+    """A message of the usual length whose fields come in another order (valid protobuf)
+    must not be read as if they were in the usual places."""
+    step = make_step(3, np.random.default_rng(5))
+    step = step._replace(terminated=np.array([1, 0, 0], bool), truncated=np.array([0, 1, 1], bool))
+    codec = StepCodec(OBS, ACTIONS, 3)
+    usual = codec.encode_step(step)
+    fields = seedrl_pb2.ActorMessage.FromString(usual).step
+    # Truncated before terminated: the same bytes in all, the flags' headers swapped.
+    inner = b"".join(
+        bytes((tag,)) + _varint(len(value)) + value
+        for tag, value in (
+            (0x0A, fields.observations),
+            (0x12, fields.rewards),
+            (0x22, fields.truncated),
+            (0x1A, fields.terminated),
+        )
+    )
+    swapped = b"\x12" + _varint(len(inner)) + inner
+    assert len(swapped) == len(usual) and swapped != usual
+    decoded = codec.decode_step_message(swapped)
+    for original, received in zip(step, decoded, strict=True):
+        np.testing.assert_array_equal(original, received)
+    for original, received in zip(step, codec.decode_step_message(usual), strict=True):
+        np.testing.assert_array_equal(original, received)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_non_finite_observations_are_refused_whatever_their_float_width(dtype):
+    spec = TensorSpec(dtype, (3,))
+    codec = StepCodec(spec, ACTIONS, 2)
+    finfo = np.finfo(dtype)
+    flags = np.zeros(2, bool)
+    # The largest finite values are valid observations.
+    big = np.full((2, 3), finfo.max, dtype)
+    ok = codec.decode_step_message(codec.encode_step(EnvStep(big, np.ones(2), flags, flags)))
+    np.testing.assert_array_equal(ok.observations, big)
+    for bad in (np.nan, np.inf, -np.inf):
+        observations = big.copy()
+        observations[1, 2] = bad
+        with pytest.raises(WireError, match="observations are not all finite"):
+            codec.decode_step_message(
+                codec.encode_step(EnvStep(observations, np.ones(2), flags, flags))
+            )
+    infinite_pair = np.array([[np.inf, -np.inf, 0]] * 2, dtype)
+    with pytest.raises(WireError, match="observations are not all finite"):
+        codec.decode_step_message(
+            codec.encode_step(EnvStep(infinite_pair, np.ones(2), flags, flags))
+        )

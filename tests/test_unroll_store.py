@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from learner.unroll_store import UnrollStore
 from seedrl.codec import EnvStep
@@ -199,3 +200,44 @@ def test_clipped_returns_clip_each_reward_as_training_does():
         )
         assert episodes.returns == [2.5]
         assert episodes.clipped_returns == [expected_clipped]
+
+
+def test_a_batch_of_several_messages_is_observed_as_if_it_were_one_array():
+    """The inference loop hands observe() one array per message; the result must be the
+    same as one concatenated array, with frame stacking, episode starts and a gone
+    stream's rows among them."""
+    rng = np.random.default_rng(0)
+    for stack in (1, 3):
+        stores = [
+            UnrollStore(unroll_length=2, observation_spec=SPEC, initial_slots=8, frame_stack=stack)
+            for _ in range(2)
+        ]
+        for store in stores:
+            gone = store.allocate(owner=1, count=2)
+            store.release(1, gone)
+            live = store.allocate(owner=2, count=5)
+        # Three messages: 2 envs, 2 of a stream that has ended, 3 envs.
+        slots = np.concatenate([live[:2], gone, live[2:]])
+        owners = np.array([2, 2, 1, 1, 2, 2, 2])
+        for t in range(7):
+            values = rng.integers(1, 100, (7, 1)).astype(np.int32)
+            ends = rng.random(7) < 0.3
+            step = EnvStep(values, values[:, 0].astype(np.float32), ends, np.zeros(7, bool))
+            seen = [np.full((7, stack, 1), -1, np.int32).reshape(7, stack) for _ in stores]
+            alive = [
+                stores[0].observe(slots, owners, values, seen[0]),
+                stores[1].observe(slots, owners, [values[:2], values[2:4], values[4:]], seen[1]),
+            ]
+            np.testing.assert_array_equal(alive[0], alive[1])
+            np.testing.assert_array_equal(seen[0], seen[1])
+            assert (seen[1][2:4] == 0).all()  # the gone stream's rows
+            emitted = [
+                store.append(slots, owners, step, values[:, 0] % 5, np.zeros(7, np.float32), t)[0]
+                for store in stores
+            ]
+            assert len(emitted[0]) == len(emitted[1]) == (5 if t % 2 == 0 and t else 0)
+            for a, b in zip(emitted[0], emitted[1], strict=True):
+                for x, y in zip(a, b, strict=True):
+                    np.testing.assert_array_equal(x, y)
+        with pytest.raises(ValueError, match="observations for 6 envs, slots for 7"):
+            stores[1].observe(slots, owners, [values[:2], values[3:]], seen[1])
