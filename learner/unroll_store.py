@@ -333,6 +333,17 @@ class UnrollStore:
         np.copyto(target, source)
         return target
 
+    def _step_arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-step arrays [slots, T+1] after `first`, in Unroll's field order."""
+        return (
+            self._actions,
+            self._log_probs,
+            self._rewards,
+            self._terminated,
+            self._truncated,
+            self._versions,
+        )
+
     def _emit(self, slots: np.ndarray) -> list[Unroll]:
         """The unrolls of the full `slots`; each slot keeps its last step to start the next."""
         if not len(slots):
@@ -340,18 +351,7 @@ class UnrollStore:
         last = self.unroll_length
         # One gather per array for all of them; each unroll gets its own row (a view
         # of that copy), rather than ten small copies per unroll.
-        per_step = [
-            array[slots]
-            for array in (
-                self._first,
-                self._actions,
-                self._log_probs,
-                self._rewards,
-                self._terminated,
-                self._truncated,
-                self._versions,
-            )
-        ]
+        per_step = [array[slots] for array in (self._first, *self._step_arrays())]
         unrolls = [
             Unroll(self._copy_observations(slot), *rows, owner=owner, slot=slot)
             for slot, owner, rows in zip(
@@ -364,14 +364,7 @@ class UnrollStore:
         # The next unroll starts with this one's last step and the S-1 frames before it.
         for array in (self._observations, self._first):
             array[slots, : self.frame_stack] = array[slots, last:]
-        for array in (
-            self._actions,
-            self._log_probs,
-            self._rewards,
-            self._terminated,
-            self._truncated,
-            self._versions,
-        ):
+        for array in self._step_arrays():
             array[slots, 0] = array[slots, last]
         self._length[slots] = 1
         return unrolls
