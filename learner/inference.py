@@ -190,7 +190,9 @@ class InferenceLoop:
 
     def _serve(self, batch: list[InferenceRequest]) -> None:
         started = time.perf_counter()
-        num_envs = sum(request.num_envs for request in batch)
+        slots = np.concatenate([request.slots for request in batch])
+        owners = np.concatenate([request.slot_owners for request in batch])
+        num_envs = len(slots)
         size = next(size for size in self._sizes if size >= num_envs)
         observations = self._buffers[size]
         first = at_start = core_slots = None
@@ -200,8 +202,6 @@ class InferenceLoop:
             core_slots[num_envs:] = NO_SLOT
             if self._store.capacity > self._states.shape[0]:
                 self._grow_core_states(self._store.capacity)
-        slots = np.concatenate([request.slots for request in batch])
-        owners = np.concatenate([request.slot_owners for request in batch])
         live = self._store.observe(
             slots,
             owners,

@@ -146,7 +146,6 @@ class StepCodec:
         self.action_spec = action_spec
         self.num_envs = num_envs
         self._obs_dtype = observation_spec.np_dtype
-        self._obs_float = self._obs_dtype.kind == "f"
         self._obs_shape = (num_envs, *observation_spec.shape)
         self._obs_nbytes = num_envs * observation_spec.nbytes
         self._layout = _canonical_layout(
@@ -224,7 +223,7 @@ class StepCodec:
                 f"{self._obs_nbytes} ({self.num_envs} envs x {self.observation_spec})"
             )
         observations = np.frombuffer(observations, self._obs_dtype).reshape(self._obs_shape)
-        if self._obs_float and not np.isfinite(observations).all():
+        if self._obs_dtype.kind == "f" and not np.isfinite(observations).all():
             # One NaN would reach the gradients and spoil the parameters for everyone.
             raise WireError("observations are not all finite")
         rewards = self._read(rewards, REWARD_DTYPE, "rewards")
