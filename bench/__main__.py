@@ -54,9 +54,7 @@ def run_cases(config: BenchConfig) -> dict[str, CaseResult]:
         elif case == "b":
             from bench.serving import run
         elif case == "c":
-            from bench.end_to_end import run_trivial
-
-            return run_trivial(settings, results.get("a"))
+            from bench.end_to_end import run_trivial as run
         elif case == "d":
             from bench.end_to_end import run_training as run
         elif case == "f":

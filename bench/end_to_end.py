@@ -117,8 +117,9 @@ while True:
 @contextlib.contextmanager
 def serving_fleet(
     env: str, processes: int, num_envs: int, groups: int, train: bool, **overrides
-) -> Iterator[tuple[Any, Any]]:
-    """A learner serving P actor processes x K envs, every actor connected: (learner, config).
+) -> Iterator[tuple[Any, Any, list[int]]]:
+    """A learner serving P actor processes x K envs, every actor connected:
+    (learner, config, the actor processes' pids).
 
     Without training, a thread takes the unrolls where the trainer would.
     """
@@ -165,7 +166,7 @@ def serving_fleet(
                 120,
                 "every actor to connect and step",
             )
-            yield learner, config
+            yield learner, config, [process.pid for process, _ in actors]
         finally:
             _stop_actors(actors)
             served.stop()
@@ -187,7 +188,11 @@ def measure(
     """Env frames/s of P actor processes x K envs served by one learner on this machine."""
     from learner.metrics import MetricsLogger
 
-    with serving_fleet(env, processes, num_envs, groups, train, **overrides) as (learner, config):
+    with serving_fleet(env, processes, num_envs, groups, train, **overrides) as (
+        learner,
+        config,
+        _,
+    ):
         metrics = MetricsLogger(
             os.path.join(config.run_dir, "bench.jsonl"),
             learner.stats,
@@ -229,10 +234,122 @@ def measure(
     return row
 
 
-def run_trivial(settings: Settings, raw: CaseResult | None) -> CaseResult:
-    """Case (c), with each row's ratio to case (a)'s figure for the same env, P and K."""
-    from bench import raw_env
+SETTLE_S = 1.0
+"""After each switch between the fleet and the raw envs, unmeasured: what the side just
+paused had in flight (round trips, batches) finishes before the window opens."""
 
+
+def _pause(pids: list[int], pause: bool) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP if pause else signal.SIGCONT)
+
+
+def measure_against_raw(
+    env: str,
+    processes: int,
+    num_envs: int,
+    groups: int,
+    warmup_s: float,
+    duration_s: float,
+    windows: int,
+) -> dict:
+    """Case (c) for one configuration: the fleet's env frames/s and case (a)'s at the same
+    P and K, in alternating windows (fleet, raw, raw, fleet, ...; the side not measured
+    is stopped with SIGSTOP), `duration_s` in all for each, so that both figures of the
+    ratio come from the same minutes of the machine."""
+    from bench import raw_env
+    from learner.metrics import MetricsLogger
+
+    if windows < 2 or windows % 2:
+        raise ValueError(f"windows must be even and at least 2, got {windows}")
+    window_s = 2 * duration_s / windows
+    raw = raw_env.PausableEnvs(env, processes, num_envs)
+    try:
+        raw.pause()
+        with serving_fleet(env, processes, num_envs, groups, train=False) as (
+            learner,
+            config,
+            actor_pids,
+        ):
+            metrics = MetricsLogger(
+                os.path.join(config.run_dir, "bench.jsonl"),
+                learner.stats,
+                learner.env_spec.frames_per_step,
+                config.total_env_steps,
+            )
+            time.sleep(warmup_s)
+            metrics.record(learner.unrolls.qsize())  # opens the per-request figures' span
+            fleet = {"steps": 0, "wall": 0.0, "cpu": 0.0}
+            ceiling = {"steps": 0, "wall": 0.0}
+            per_window = []
+            fleet_running = True
+            for index in range(windows):
+                on = index % 4 in (0, 3)  # fleet, raw, raw, fleet: a drift weighs on both
+                if on != fleet_running:
+                    if on:
+                        raw.pause()
+                        _pause(actor_pids, False)
+                    else:
+                        _pause(actor_pids, True)
+                        raw.resume()
+                    fleet_running = on
+                    time.sleep(SETTLE_S)
+                read = (lambda: learner.stats.counters()["env_steps"]) if on else raw.steps
+                before = read()
+                window = Window()
+                time.sleep(window_s)
+                wall, cpu = window.elapsed()
+                steps = read() - before
+                if on:
+                    fleet["steps"] += steps
+                    fleet["wall"] += wall
+                    fleet["cpu"] += cpu
+                else:
+                    ceiling["steps"] += steps
+                    ceiling["wall"] += wall
+                per_window.append(
+                    {
+                        "side": "fleet" if on else "raw",
+                        "env_frames_per_s": round(raw.frames_per_step * steps / wall, 1),
+                    }
+                )
+            record = metrics.record(learner.unrolls.qsize())
+            metrics.close()
+    finally:
+        raw.close()
+    frames = raw.frames_per_step
+    fleet_fps = frames * fleet["steps"] / fleet["wall"]
+    raw_fps = frames * ceiling["steps"] / ceiling["wall"]
+    # Each fleet window against the raw window beside it (0-1, 3-2, 4-5, 7-6, ...):
+    # the spread of these is the machine's noise on one ratio.
+    rates = [window["env_frames_per_s"] for window in per_window]
+    beside = {0: 1, 3: -1}
+    pairs = [
+        rates[i] / max(rates[i + beside[i % 4]], 1e-9) for i in range(windows) if i % 4 in beside
+    ]
+    return {
+        "env": env,
+        "processes": processes,
+        "envs_per_process": num_envs,
+        "groups": groups,
+        "windows": windows,
+        "window_s": window_s,
+        "env_steps_per_s": fleet_fps / frames,
+        "env_frames_per_s": fleet_fps,
+        "raw_env_frames_per_s": raw_fps,
+        "ratio_to_raw": fleet_fps / max(raw_fps, 1e-9),
+        "ratio_to_raw_per_pair": [round(ratio, 4) for ratio in pairs],
+        "learner_cores": fleet["cpu"] / fleet["wall"],
+        "learner_cpu_us_per_step": 1e6 * fleet["cpu"] / max(fleet["steps"], 1),
+        "inference_batch_mean": record["inference_batch_mean"],
+        "inference_latency_ms": record["inference_latency_ms"],
+        "per_window": per_window,
+    }
+
+
+def run_trivial(settings: Settings) -> CaseResult:
+    """Case (c), each row with its ratio to case (a)'s figure for the same env, P and K,
+    measured in windows alternating with the fleet's."""
     processes = settings.processes or cores()
     num_envs = settings.envs_per_process
     env = "atari:Pong"
@@ -255,47 +372,21 @@ def run_trivial(settings: Settings, raw: CaseResult | None) -> CaseResult:
     # the other waits for its actions; and actors twice as large in two groups, so that
     # a message carries K envs again (the per-message costs halve per env step).
     configurations = (
-        [(num_envs, 1)]
-        if settings.short
-        else [
-            (num_envs, 1),
-            (num_envs, 2),
-            (2 * num_envs, 2),
-        ]
+        [(num_envs, 1)] if settings.short else [(num_envs, 1), (num_envs, 2), (2 * num_envs, 2)]
     )
-    for envs in sorted({envs for envs, _ in configurations}):
-        raw_before = next(
-            (
-                row["env_frames_per_s"]
-                for row in (raw.rows if raw is not None else [])
-                if (row["env"], row["processes"], row["envs_per_process"]) == (env, processes, envs)
-            ),
-            None,
-        )
-        if raw_before is None:
-            # Case (a) was not run for this K: measure the ceiling here, in this same run.
-            _, raw_before = raw_env.measure(
-                env, processes, envs, settings.warmup_s, settings.duration_s
+    windows = 2 if settings.short else 8
+    for envs, groups in configurations:
+        result.rows.append(
+            measure_against_raw(
+                env, processes, envs, groups, settings.warmup_s, settings.duration_s, windows
             )
-        rows = [
-            measure(
-                env, processes, envs, groups, settings.warmup_s, settings.duration_s, train=False
-            )
-            for k, groups in configurations
-            if k == envs
-        ]
-        # The machine's speed drifts over minutes: the ceiling is measured again after
-        # the end-to-end windows and each ratio taken to the mean of both.
-        _, raw_after = raw_env.measure(env, processes, envs, settings.warmup_s, settings.duration_s)
-        for row in rows:
-            row["raw_env_frames_per_s"] = (raw_before + raw_after) / 2
-            row["raw_env_frames_per_s_before_after"] = [raw_before, raw_after]
-            row["ratio_to_raw"] = row["env_frames_per_s"] / row["raw_env_frames_per_s"]
-            result.rows.append(row)
-        result.notes.append(
-            f"K = {envs}: the ceiling is the mean of (a) before ({raw_before:,.0f}) and after "
-            f"({raw_after:,.0f}) this K's end-to-end windows."
         )
+    result.notes.append(
+        f"Each row: the fleet and case (a)'s env stack at the same P and K, alternating in "
+        f"{windows} windows (fleet, raw, raw, fleet, ...; the other side stopped), "
+        f"{settings.duration_s:g} s of each in all; 'ratio_to_raw_per_pair' in the JSON gives "
+        f"each fleet window against the raw one beside it."
+    )
     result.notes.append(
         "Actors, learner and gRPC share this machine's cores: the ratio is the share of "
         "the env stack's speed left after transport, batching and unroll assembly."
@@ -380,7 +471,7 @@ def run_dashboards(settings: Settings) -> CaseResult:
     per_window: list[dict[str, Any]] = []
     with serving_fleet(
         env, processes, settings.envs_per_process, 1, train=False, log_interval_s=1.0
-    ) as (learner, config):
+    ) as (learner, config, _):
         metrics = MetricsLogger(
             os.path.join(config.run_dir, "bench.jsonl"),
             learner.stats,

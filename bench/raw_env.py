@@ -8,7 +8,9 @@ measured window together (a barrier), so the figure is the machine's.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
+import signal
 import time
 
 import numpy as np
@@ -69,6 +71,83 @@ def measure(env_id: str, processes: int, num_envs: int, warmup_s: float, duratio
         worker.join()
     steps_per_s = sum(steps / seconds for steps, seconds, _ in outcomes)
     return steps_per_s, steps_per_s * outcomes[0][2]
+
+
+def _stepper(env_id: str, num_envs: int, parent: int, counter, ready) -> None:
+    from envs import registry
+
+    env = registry.make(env_id, num_envs, seed=0)
+    rng = np.random.default_rng(0)
+    num_actions = env.spec.action.num_actions
+    env.reset(seed=0)
+    ready.set()
+    steps = 0
+    while True:
+        env.step(rng.integers(0, num_actions, num_envs, dtype=np.int32))
+        counter.value += num_envs  # one writer, read between pauses: no lock needed
+        steps += 1
+        if steps % 64 == 0 and os.getppid() != parent:
+            return  # the benchmark is gone (killed): do not step on forever
+
+
+class PausableEnvs:
+    """Case (a)'s P processes x K envs, stepping until closed, paused and resumed at will.
+
+    Case (c) alternates them with its fleet in short windows (one paused while
+    the other runs), so that both figures of a ratio come from the same minutes
+    of a machine whose speed drifts. Env steps are counted in shared memory.
+    """
+
+    def __init__(self, env_id: str, processes: int, num_envs: int, ready_timeout_s: float = 120):
+        from envs import registry
+
+        context = multiprocessing.get_context("spawn")
+        self.frames_per_step = registry.spec(env_id).frames_per_step
+        self._counters = [context.Value("q", 0, lock=False) for _ in range(processes)]
+        readies = [context.Event() for _ in range(processes)]
+        self._workers = [
+            context.Process(
+                target=_stepper,
+                args=(env_id, num_envs, os.getpid(), counter, ready),
+                daemon=True,
+            )
+            for counter, ready in zip(self._counters, readies, strict=True)
+        ]
+        for worker in self._workers:
+            worker.start()
+        deadline = time.monotonic() + ready_timeout_s
+        try:
+            for ready in readies:
+                while not ready.wait(0.5):
+                    failed = [w.exitcode for w in self._workers if w.exitcode is not None]
+                    if failed or time.monotonic() > deadline:
+                        raise RuntimeError(f"env processes failed to start (exit codes {failed})")
+        except BaseException:
+            self.close()
+            raise
+
+    def steps(self) -> int:
+        """Env steps taken so far, all processes."""
+        return sum(counter.value for counter in self._counters)
+
+    def _signal(self, signum: int) -> None:
+        for worker in self._workers:
+            if worker.exitcode is not None:
+                raise RuntimeError(f"an env process ended (exit code {worker.exitcode})")
+            os.kill(worker.pid, signum)
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            if worker.is_alive():
+                worker.kill()  # SIGKILL ends a stopped process too
+        for worker in self._workers:
+            worker.join(timeout=30)
 
 
 def run(settings: Settings) -> CaseResult:

@@ -8,8 +8,11 @@ that every case measures what it says, end to end, and reports it whole.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,13 +53,18 @@ def test_raw_and_end_to_end_cases_measure_frames(short_run):
     pong = raw["atari:Pong"]
     assert pong["env_frames_per_s"] == pytest.approx(4 * pong["env_steps_per_s"])
     (trivial,) = results["c"]["rows"]
-    assert trivial["env_frames_per_s"] > 0
-    before, after = trivial["raw_env_frames_per_s_before_after"]
-    assert before == pong["env_frames_per_s"] and after > 0  # the same run's (a), and again
-    assert trivial["raw_env_frames_per_s"] == pytest.approx((before + after) / 2)
+    assert trivial["env_frames_per_s"] > 0 and trivial["raw_env_frames_per_s"] > 0
+    # The fleet's window, then the raw envs' at the same P and K; the row is made of them.
+    fleet, raw_window = trivial["per_window"]
+    assert (fleet["side"], raw_window["side"]) == ("fleet", "raw")
+    assert trivial["env_frames_per_s"] == pytest.approx(fleet["env_frames_per_s"], rel=1e-3)
+    assert trivial["raw_env_frames_per_s"] == pytest.approx(
+        raw_window["env_frames_per_s"], rel=1e-3
+    )
     assert trivial["ratio_to_raw"] == pytest.approx(
         trivial["env_frames_per_s"] / trivial["raw_env_frames_per_s"]
     )
+    assert trivial["ratio_to_raw_per_pair"] == [pytest.approx(trivial["ratio_to_raw"], rel=1e-3)]
     (training,) = results["d"]["rows"]
     assert training["updates_per_s"] > 0 and training["env_frames_per_s"] > 0
     for share in ("time_inference", "time_trainer_waiting", "time_training"):
@@ -103,3 +111,68 @@ def test_plots_are_png_files(short_run):
     out_dir, _, _ = short_run
     for name in ("frames_per_s.png", "serving.png", "network.png"):
         assert (out_dir / name).read_bytes()[:8] == PNG_MAGIC, name
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, T stopped, Z zombie), "" when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def _until(condition, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_pausable_envs_stop_counting_while_paused_and_go_on_after():
+    from bench.raw_env import PausableEnvs
+
+    envs = PausableEnvs("counting:v0", processes=2, num_envs=4)
+    pids = [worker.pid for worker in envs._workers]
+    try:
+        assert _until(lambda: envs.steps() > 0)
+        envs.pause()
+        assert _until(lambda: all(_state(pid) in ("t", "T") for pid in pids))
+        paused_at = envs.steps()
+        assert paused_at % 4 == 0  # whole vector steps of K = 4
+        # Stopped by the kernel: no step can be counted until resumed.
+        assert not _until(lambda: envs.steps() != paused_at, timeout_s=0.3)
+        envs.resume()
+        assert _until(lambda: envs.steps() > paused_at)
+    finally:
+        envs.pause()  # closing ends stopped processes as well
+        envs.close()
+    assert all(_state(pid) in ("", "Z") for pid in pids)
+
+
+def test_pausable_envs_end_when_the_benchmark_is_killed():
+    script = (
+        "from bench.raw_env import PausableEnvs\n"
+        "envs = PausableEnvs('counting:v0', processes=1, num_envs=2)\n"
+        "print(*(w.pid for w in envs._workers), flush=True)\n"
+        "input()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        (pid,) = map(int, parent.stdout.readline().split())
+        assert _state(pid) not in ("", "Z")
+    finally:
+        parent.kill()  # no clean-up runs in the parent
+        parent.wait(timeout=30)
+    ended = _until(lambda: _state(pid) in ("", "Z"))
+    if not ended:
+        os.kill(pid, signal.SIGKILL)  # not left stepping after the test
+    assert ended, "the env process outlived the benchmark"
