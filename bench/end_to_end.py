@@ -175,6 +175,18 @@ def serving_fleet(
                 drain.join()
 
 
+def _metrics(learner: Any, config: Any) -> Any:
+    """A metrics logger on the learner's counters; the benchmark takes its own records."""
+    from learner.metrics import MetricsLogger
+
+    return MetricsLogger(
+        os.path.join(config.run_dir, "bench.jsonl"),
+        learner.stats,
+        learner.env_spec.frames_per_step,
+        config.total_env_steps,
+    )
+
+
 def measure(
     env: str,
     processes: int,
@@ -186,19 +198,12 @@ def measure(
     **overrides,
 ) -> dict:
     """Env frames/s of P actor processes x K envs served by one learner on this machine."""
-    from learner.metrics import MetricsLogger
-
     with serving_fleet(env, processes, num_envs, groups, train, **overrides) as (
         learner,
         config,
         _,
     ):
-        metrics = MetricsLogger(
-            os.path.join(config.run_dir, "bench.jsonl"),
-            learner.stats,
-            learner.env_spec.frames_per_step,
-            config.total_env_steps,
-        )
+        metrics = _metrics(learner, config)
         time.sleep(warmup_s)
         metrics.record(learner.unrolls.qsize())  # opens the window
         window = Window()
@@ -258,7 +263,6 @@ def measure_against_raw(
     is stopped with SIGSTOP), `duration_s` in all for each, so that both figures of the
     ratio come from the same minutes of the machine."""
     from bench import raw_env
-    from learner.metrics import MetricsLogger
 
     if windows < 2 or windows % 2:
         raise ValueError(f"windows must be even and at least 2, got {windows}")
@@ -271,12 +275,7 @@ def measure_against_raw(
             config,
             actor_pids,
         ):
-            metrics = MetricsLogger(
-                os.path.join(config.run_dir, "bench.jsonl"),
-                learner.stats,
-                learner.env_spec.frames_per_step,
-                config.total_env_steps,
-            )
+            metrics = _metrics(learner, config)
             time.sleep(warmup_s)
             metrics.record(learner.unrolls.qsize())  # opens the per-request figures' span
             fleet = {"steps": 0, "wall": 0.0, "cpu": 0.0}
@@ -445,8 +444,6 @@ def run_dashboards(settings: Settings) -> CaseResult:
     learner logs a line every second in both. Windows go on, off, off, on, ...
     so that a drift of the machine's speed weighs on both alike.
     """
-    from learner.metrics import MetricsLogger
-
     processes = settings.processes or cores()
     env = "counting:v0" if settings.short else "atari:Pong"
     windows = 2 if settings.short else 8
@@ -472,12 +469,7 @@ def run_dashboards(settings: Settings) -> CaseResult:
     with serving_fleet(
         env, processes, settings.envs_per_process, 1, train=False, log_interval_s=1.0
     ) as (learner, config, _):
-        metrics = MetricsLogger(
-            os.path.join(config.run_dir, "bench.jsonl"),
-            learner.stats,
-            learner.env_spec.frames_per_step,
-            config.total_env_steps,
-        )
+        metrics = _metrics(learner, config)
         time.sleep(settings.warmup_s)
         for index in range(windows):
             on = index % 4 in (0, 3)
