@@ -6,6 +6,7 @@ import dataclasses
 import os
 import queue
 import resource
+import signal
 import threading
 import time
 from typing import Any
@@ -70,6 +71,13 @@ def children_cpu_seconds() -> float:
     """User + system CPU time of this process's reaped children."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def pause_processes(pids: list[int], pause: bool) -> None:
+    """Stops the processes (SIGSTOP: the kernel runs none of their threads), or lets them
+    go on (SIGCONT)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP if pause else signal.SIGCONT)
 
 
 def cores() -> int:

@@ -28,7 +28,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from bench.common import CaseResult, Column, Settings, Window, cores, drain_unrolls
+from bench.common import (
+    CaseResult,
+    Column,
+    Settings,
+    Window,
+    cores,
+    drain_unrolls,
+    pause_processes,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,18 +195,18 @@ def _metrics(learner: Any, config: Any) -> Any:
     )
 
 
-def measure(
+def measure_training(
     env: str,
     processes: int,
     num_envs: int,
     groups: int,
     warmup_s: float,
     duration_s: float,
-    train: bool,
     **overrides,
 ) -> dict:
-    """Env frames/s of P actor processes x K envs served by one learner on this machine."""
-    with serving_fleet(env, processes, num_envs, groups, train, **overrides) as (
+    """Env frames/s of P actor processes x K envs served by one training learner on this
+    machine, and where its threads' time goes."""
+    with serving_fleet(env, processes, num_envs, groups, True, **overrides) as (
         learner,
         config,
         _,
@@ -212,7 +220,7 @@ def measure(
         record = metrics.record(learner.unrolls.qsize())
         metrics.close()
     steps_per_s = record["env_steps_per_s"] or 0.0
-    row = {
+    return {
         "env": env,
         "processes": processes,
         "envs_per_process": num_envs,
@@ -225,28 +233,19 @@ def measure(
         "inference_latency_ms": record["inference_latency_ms"],
         "time_inference": record["time_inference"],
         "time_inference_blocked": record["time_inference_blocked"],
+        "network": config.network,
+        "unroll_length": config.unroll_length,
+        "batch_size": config.batch_size,
+        "updates_per_s": record["updates_per_s"],
+        "time_trainer_waiting": record["time_trainer_waiting"],
+        "time_training": record["time_training"],
+        "policy_lag_mean": record["policy_lag_mean"],
     }
-    if train:
-        row.update(
-            network=config.network,
-            unroll_length=config.unroll_length,
-            batch_size=config.batch_size,
-            updates_per_s=record["updates_per_s"],
-            time_trainer_waiting=record["time_trainer_waiting"],
-            time_training=record["time_training"],
-            policy_lag_mean=record["policy_lag_mean"],
-        )
-    return row
 
 
 SETTLE_S = 1.0
 """After each switch between the fleet and the raw envs, unmeasured: what the side just
 paused had in flight (round trips, batches) finishes before the window opens."""
-
-
-def _pause(pids: list[int], pause: bool) -> None:
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP if pause else signal.SIGCONT)
 
 
 def measure_against_raw(
@@ -267,6 +266,7 @@ def measure_against_raw(
     if windows < 2 or windows % 2:
         raise ValueError(f"windows must be even and at least 2, got {windows}")
     window_s = 2 * duration_s / windows
+    fleet_on = [index % 4 in (0, 3) for index in range(windows)]  # a drift weighs on both
     raw = raw_env.PausableEnvs(env, processes, num_envs)
     try:
         raw.pause()
@@ -278,50 +278,37 @@ def measure_against_raw(
             metrics = _metrics(learner, config)
             time.sleep(warmup_s)
             metrics.record(learner.unrolls.qsize())  # opens the per-request figures' span
-            fleet = {"steps": 0, "wall": 0.0, "cpu": 0.0}
-            ceiling = {"steps": 0, "wall": 0.0}
-            per_window = []
-            fleet_running = True
-            for index in range(windows):
-                on = index % 4 in (0, 3)  # fleet, raw, raw, fleet: a drift weighs on both
-                if on != fleet_running:
+            measured = []  # per window: the fleet's or not, env steps, wall s, learner CPU s
+            for index, on in enumerate(fleet_on):
+                if index and on != fleet_on[index - 1]:
+                    # The side about to be measured goes on after the other has stopped.
                     if on:
                         raw.pause()
-                        _pause(actor_pids, False)
+                        pause_processes(actor_pids, False)
                     else:
-                        _pause(actor_pids, True)
+                        pause_processes(actor_pids, True)
                         raw.resume()
-                    fleet_running = on
                     time.sleep(SETTLE_S)
                 read = (lambda: learner.stats.counters()["env_steps"]) if on else raw.steps
                 before = read()
                 window = Window()
                 time.sleep(window_s)
                 wall, cpu = window.elapsed()
-                steps = read() - before
-                if on:
-                    fleet["steps"] += steps
-                    fleet["wall"] += wall
-                    fleet["cpu"] += cpu
-                else:
-                    ceiling["steps"] += steps
-                    ceiling["wall"] += wall
-                per_window.append(
-                    {
-                        "side": "fleet" if on else "raw",
-                        "env_frames_per_s": round(raw.frames_per_step * steps / wall, 1),
-                    }
-                )
+                measured.append({"on": on, "steps": read() - before, "wall": wall, "cpu": cpu})
             record = metrics.record(learner.unrolls.qsize())
             metrics.close()
     finally:
         raw.close()
     frames = raw.frames_per_step
-    fleet_fps = frames * fleet["steps"] / fleet["wall"]
-    raw_fps = frames * ceiling["steps"] / ceiling["wall"]
+    rates = [frames * window["steps"] / window["wall"] for window in measured]
+
+    def summed(key: str, on: bool) -> float:
+        return sum(window[key] for window in measured if window["on"] == on)
+
+    fleet_fps = frames * summed("steps", True) / summed("wall", True)
+    raw_fps = frames * summed("steps", False) / summed("wall", False)
     # Each fleet window against the raw window beside it (0-1, 3-2, 4-5, 7-6, ...):
     # the spread of these is the machine's noise on one ratio.
-    rates = [window["env_frames_per_s"] for window in per_window]
     beside = {0: 1, 3: -1}
     pairs = [
         rates[i] / max(rates[i + beside[i % 4]], 1e-9) for i in range(windows) if i % 4 in beside
@@ -338,11 +325,14 @@ def measure_against_raw(
         "raw_env_frames_per_s": raw_fps,
         "ratio_to_raw": fleet_fps / max(raw_fps, 1e-9),
         "ratio_to_raw_per_pair": [round(ratio, 4) for ratio in pairs],
-        "learner_cores": fleet["cpu"] / fleet["wall"],
-        "learner_cpu_us_per_step": 1e6 * fleet["cpu"] / max(fleet["steps"], 1),
+        "learner_cores": summed("cpu", True) / summed("wall", True),
+        "learner_cpu_us_per_step": 1e6 * summed("cpu", True) / max(summed("steps", True), 1),
         "inference_batch_mean": record["inference_batch_mean"],
         "inference_latency_ms": record["inference_latency_ms"],
-        "per_window": per_window,
+        "per_window": [
+            {"side": "fleet" if window["on"] else "raw", "env_frames_per_s": round(rate, 1)}
+            for window, rate in zip(measured, rates, strict=True)
+        ],
     }
 
 
@@ -417,14 +407,13 @@ def run_training(settings: Settings) -> CaseResult:
     else:
         env, overrides = "atari:Pong", {}
     result.rows.append(
-        measure(
+        measure_training(
             env,
             processes,
             settings.envs_per_process,
             2,
             settings.warmup_s,
             settings.duration_s * (1 if settings.short else 3),
-            train=True,
             **overrides,
         )
     )

@@ -10,17 +10,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import signal
 import time
 
 import numpy as np
 
-from bench.common import CaseResult, Column, Settings, cores
+from bench.common import CaseResult, Column, Settings, cores, pause_processes
 
 ENVS = ("atari:Pong", "counting:v0")
 
 
-def _worker(env_id: str, num_envs: int, warmup_s: float, duration_s: float, barrier, results):
+def _random_env(env_id: str, num_envs: int):
+    """K envs of `env_id`, seeded and reset, and a function that steps them all once with
+    random actions: (env, step)."""
     from envs import registry
 
     env = registry.make(env_id, num_envs, seed=0)
@@ -28,10 +29,19 @@ def _worker(env_id: str, num_envs: int, warmup_s: float, duration_s: float, barr
     num_actions = env.spec.action.num_actions
     env.reset(seed=0)
 
+    def step() -> None:
+        env.step(rng.integers(0, num_actions, num_envs, dtype=np.int32))
+
+    return env, step
+
+
+def _worker(env_id: str, num_envs: int, warmup_s: float, duration_s: float, barrier, results):
+    env, step = _random_env(env_id, num_envs)
+
     def run_for(seconds: float) -> int:
         steps, deadline = 0, time.perf_counter() + seconds
         while time.perf_counter() < deadline:
-            env.step(rng.integers(0, num_actions, num_envs, dtype=np.int32))
+            step()
             steps += 1
         return steps
 
@@ -74,16 +84,11 @@ def measure(env_id: str, processes: int, num_envs: int, warmup_s: float, duratio
 
 
 def _stepper(env_id: str, num_envs: int, parent: int, counter, ready) -> None:
-    from envs import registry
-
-    env = registry.make(env_id, num_envs, seed=0)
-    rng = np.random.default_rng(0)
-    num_actions = env.spec.action.num_actions
-    env.reset(seed=0)
+    _, step = _random_env(env_id, num_envs)
     ready.set()
     steps = 0
     while True:
-        env.step(rng.integers(0, num_actions, num_envs, dtype=np.int32))
+        step()
         counter.value += num_envs  # one writer, read between pauses: no lock needed
         steps += 1
         if steps % 64 == 0 and os.getppid() != parent:
@@ -130,17 +135,17 @@ class PausableEnvs:
         """Env steps taken so far, all processes."""
         return sum(counter.value for counter in self._counters)
 
-    def _signal(self, signum: int) -> None:
-        for worker in self._workers:
-            if worker.exitcode is not None:
-                raise RuntimeError(f"an env process ended (exit code {worker.exitcode})")
-            os.kill(worker.pid, signum)
+    def _pids(self) -> list[int]:
+        ended = [worker.exitcode for worker in self._workers if worker.exitcode is not None]
+        if ended:
+            raise RuntimeError(f"env processes ended (exit codes {ended})")
+        return [worker.pid for worker in self._workers]
 
     def pause(self) -> None:
-        self._signal(signal.SIGSTOP)
+        pause_processes(self._pids(), True)
 
     def resume(self) -> None:
-        self._signal(signal.SIGCONT)
+        pause_processes(self._pids(), False)
 
     def close(self) -> None:
         for worker in self._workers:

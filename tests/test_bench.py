@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.fleet import ROOT
+from tests.fleet import ROOT, wait_until
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -122,30 +122,23 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _until(condition, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_pausable_envs_stop_counting_while_paused_and_go_on_after():
     from bench.raw_env import PausableEnvs
 
     envs = PausableEnvs("counting:v0", processes=2, num_envs=4)
     pids = [worker.pid for worker in envs._workers]
     try:
-        assert _until(lambda: envs.steps() > 0)
+        wait_until(lambda: envs.steps() > 0, 30, "the envs to step")
         envs.pause()
-        assert _until(lambda: all(_state(pid) in ("t", "T") for pid in pids))
+        wait_until(lambda: all(_state(pid) in ("t", "T") for pid in pids), 30, "them to stop")
         paused_at = envs.steps()
         assert paused_at % 4 == 0  # whole vector steps of K = 4
-        # Stopped by the kernel: no step can be counted until resumed.
-        assert not _until(lambda: envs.steps() != paused_at, timeout_s=0.3)
+        # Stopped by the kernel: no step is counted until resumed (watched for 0.3 s).
+        watched_until = time.monotonic() + 0.3
+        while time.monotonic() < watched_until:
+            assert envs.steps() == paused_at
         envs.resume()
-        assert _until(lambda: envs.steps() > paused_at)
+        wait_until(lambda: envs.steps() > paused_at, 30, "the envs to step again")
     finally:
         envs.pause()  # closing ends stopped processes as well
         envs.close()
@@ -172,7 +165,8 @@ def test_pausable_envs_end_when_the_benchmark_is_killed():
     finally:
         parent.kill()  # no clean-up runs in the parent
         parent.wait(timeout=30)
-    ended = _until(lambda: _state(pid) in ("", "Z"))
-    if not ended:
+    try:
+        wait_until(lambda: _state(pid) in ("", "Z"), 30, "the env process to end with its parent")
+    except AssertionError:
         os.kill(pid, signal.SIGKILL)  # not left stepping after the test
-    assert ended, "the env process outlived the benchmark"
+        raise
