@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from learner.event_file import EventFileWriter
 from learner.stats import LearnerStats
 
 logger = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ class Telemetry:
         self._resume_frames = resume_frames
         self._http_address = http_address
         self._http_port = http_port
-        self._writer: Any = None
+        self._writer: EventFileWriter | None = None
         self._tensorboard_paused = False
         self._cpu_lock = threading.Lock()
         self._cpu_s = 0.0
@@ -339,13 +340,8 @@ class Telemetry:
                 daemon=True,
             ).start()
         if self._tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(
-                os.path.join(self.run_dir, "tensorboard"),
-                flush_secs=10,
-                max_queue=100,
-                purge_step=self._resume_frames,
+            self._writer = EventFileWriter(
+                os.path.join(self.run_dir, "tensorboard"), purge_step=self._resume_frames
             )
 
     def enable_tensorboard(self, enabled: bool) -> None:
@@ -407,11 +403,12 @@ class Telemetry:
                 # Every other point goes: the charts keep the whole run, coarser.
                 self._history = collections.deque(list(self._history)[::2])
         if self._writer is not None and not self._tensorboard_paused:
-            step = int(record["env_frames"])
-            for field, tag in TENSORBOARD_TAGS.items():
-                value = _finite(record.get(field))
-                if value is not None:
-                    self._writer.add_scalar(tag, value, step, walltime=record["time"])
+            values = {
+                tag: value
+                for field, tag in TENSORBOARD_TAGS.items()
+                if (value := _finite(record.get(field))) is not None
+            }
+            self._writer.add_scalars(values, int(record["env_frames"]), record["time"])
 
     # -- HTTP ---------------------------------------------------------------
 

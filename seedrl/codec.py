@@ -40,7 +40,8 @@ _TAG_ACTION_BYTES = 0x0A  # Actions.actions = 1
 _TAG_POLICY_VERSION = 0x10  # Actions.policy_version = 2, varint
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """A non-negative integer in protobuf's base-128 varint (negative int64s: add 2**64)."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -96,13 +97,13 @@ def step_fields(raw: bytes) -> dict[int, tuple[int, int]] | None:
 def encode_actions_message(actions: np.ndarray, policy_version: int) -> bytes:
     """A serialised LearnerMessage{actions}, as protobuf writes it."""
     data = np.ascontiguousarray(actions, ACTION_DTYPE)
-    body = [_TAG_ACTION_BYTES.to_bytes(1, "little"), _varint(data.nbytes), data]
+    body = [_TAG_ACTION_BYTES.to_bytes(1, "little"), varint(data.nbytes), data]
     if policy_version:
         if policy_version < 0:
             policy_version += 1 << 64  # int64 as protobuf writes it: ten bytes
-        body += [_TAG_POLICY_VERSION.to_bytes(1, "little"), _varint(policy_version)]
+        body += [_TAG_POLICY_VERSION.to_bytes(1, "little"), varint(policy_version)]
     inner = b"".join(body)
-    return b"".join((_TAG_ACTIONS.to_bytes(1, "little"), _varint(len(inner)), inner))
+    return b"".join((_TAG_ACTIONS.to_bytes(1, "little"), varint(len(inner)), inner))
 
 
 def _canonical_layout(
@@ -111,9 +112,9 @@ def _canonical_layout(
     """Where an ActorMessage{step} of these (tag, size) fields, written in order, puts
     things: (its length, (start, end, expected bytes) of each header, (start, end) of
     each field's data). Every field must be non-empty (proto3 leaves empty ones out)."""
-    headers = [bytes((tag,)) + _varint(size) for tag, size in fields]
+    headers = [bytes((tag,)) + varint(size) for tag, size in fields]
     body = sum(len(header) + size for header, (_, size) in zip(headers, fields, strict=True))
-    headers[0] = bytes((_TAG_STEP,)) + _varint(body) + headers[0]  # the message's own
+    headers[0] = bytes((_TAG_STEP,)) + varint(body) + headers[0]  # the message's own
     checks, spans, position = [], [], 0
     for header, (_, size) in zip(headers, fields, strict=True):
         checks.append((position, position + len(header), header))
@@ -175,10 +176,10 @@ class StepCodec:
         parts: list = []
         for tag, array in fields:
             if array.nbytes:  # proto3 leaves empty bytes fields out
-                parts += [tag.to_bytes(1, "little"), _varint(array.nbytes), array]
+                parts += [tag.to_bytes(1, "little"), varint(array.nbytes), array]
         body_length = sum(len(part) if isinstance(part, bytes) else part.nbytes for part in parts)
         # One copy of the observations: join reads the arrays' buffers directly.
-        return b"".join((_TAG_STEP.to_bytes(1, "little"), _varint(body_length), *parts))
+        return b"".join((_TAG_STEP.to_bytes(1, "little"), varint(body_length), *parts))
 
     def decode_actions(self, actions: seedrl_pb2.Actions) -> np.ndarray:
         """int32 [K] actions from the learner, checked against the action spec."""

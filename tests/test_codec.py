@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from seedrl.codec import EnvStep, StepCodec, WireError, _varint, encode_actions_message
+from seedrl.codec import EnvStep, StepCodec, WireError, encode_actions_message, varint
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import ActionSpec, SpecError, TensorSpec
 
@@ -137,10 +137,10 @@ def test_fast_decode_agrees_with_protobuf_on_unusual_but_valid_encodings():
     inner_stale = seedrl_pb2.ActorMessage.FromString(stale).step.SerializeToString()
     inner = seedrl_pb2.ActorMessage.FromString(valid).step.SerializeToString()
     combined = seedrl_pb2.ActorMessage()
-    combined.ParseFromString(b"\x12" + _varint(len(inner_stale)) + inner_stale)
-    combined.MergeFromString(b"\x12" + _varint(len(inner)) + inner)
+    combined.ParseFromString(b"\x12" + varint(len(inner_stale)) + inner_stale)
+    combined.MergeFromString(b"\x12" + varint(len(inner)) + inner)
     doubled = (
-        b"\x12" + _varint(len(inner_stale)) + inner_stale + b"\x12" + _varint(len(inner)) + inner
+        b"\x12" + varint(len(inner_stale)) + inner_stale + b"\x12" + varint(len(inner)) + inner
     )
     fast = codec.decode_step_message(doubled)
     reference = codec.decode_step(combined.step)
@@ -191,7 +191,7 @@ def test_fast_decode_reads_fields_by_their_tags_not_by_where_they_usually_are():
     fields = seedrl_pb2.ActorMessage.FromString(usual).step
     # Truncated before terminated: the same bytes in all, the flags' headers swapped.
     inner = b"".join(
-        bytes((tag,)) + _varint(len(value)) + value
+        bytes((tag,)) + varint(len(value)) + value
         for tag, value in (
             (0x0A, fields.observations),
             (0x12, fields.rewards),
@@ -199,7 +199,7 @@ def test_fast_decode_reads_fields_by_their_tags_not_by_where_they_usually_are():
             (0x1A, fields.terminated),
         )
     )
-    swapped = b"\x12" + _varint(len(inner)) + inner
+    swapped = b"\x12" + varint(len(inner)) + inner
     assert len(swapped) == len(usual) and swapped != usual
     decoded = codec.decode_step_message(swapped)
     for original, received in zip(step, decoded, strict=True):
