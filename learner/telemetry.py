@@ -340,9 +340,12 @@ class Telemetry:
                 daemon=True,
             ).start()
         if self._tensorboard:
-            self._writer = EventFileWriter(
-                os.path.join(self.run_dir, "tensorboard"), purge_step=self._resume_frames
-            )
+            log_dir = os.path.join(self.run_dir, "tensorboard")
+            try:
+                self._writer = EventFileWriter(log_dir, purge_step=self._resume_frames)
+            except OSError:
+                # Training matters more than its charts: on without TensorBoard.
+                logger.exception("cannot write TensorBoard event files in %s", log_dir)
 
     def enable_tensorboard(self, enabled: bool) -> None:
         """Pauses or resumes writing event files (benchmarks compare the two)."""
