@@ -80,6 +80,12 @@ def pause_processes(pids: list[int], pause: bool) -> None:
         os.kill(pid, signal.SIGSTOP if pause else signal.SIGCONT)
 
 
+def alternating(windows: int) -> list[bool]:
+    """Which of `windows` windows measure the side under test: on, off, off, on, ...
+    (an ABBA order, so that a drift of the machine's speed weighs on both sides alike)."""
+    return [index % 4 in (0, 3) for index in range(windows)]
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0))
 

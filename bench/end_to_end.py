@@ -33,6 +33,7 @@ from bench.common import (
     Column,
     Settings,
     Window,
+    alternating,
     cores,
     drain_unrolls,
     pause_processes,
@@ -266,7 +267,7 @@ def measure_against_raw(
     if windows < 2 or windows % 2:
         raise ValueError(f"windows must be even and at least 2, got {windows}")
     window_s = 2 * duration_s / windows
-    fleet_on = [index % 4 in (0, 3) for index in range(windows)]  # a drift weighs on both
+    fleet_on = alternating(windows)
     raw = raw_env.PausableEnvs(env, processes, num_envs)
     try:
         raw.pause()
@@ -459,9 +460,9 @@ def run_dashboards(settings: Settings) -> CaseResult:
         env, processes, settings.envs_per_process, 1, train=False, log_interval_s=1.0
     ) as (learner, config, _):
         metrics = _metrics(learner, config)
+        frames_per_step = learner.env_spec.frames_per_step
         time.sleep(settings.warmup_s)
-        for index in range(windows):
-            on = index % 4 in (0, 3)
+        for on in alternating(windows):
             learner.telemetry.enable_tensorboard(on)
             watcher = _Watcher(learner.telemetry.url) if on else None
             steps = learner.stats.counters()["env_steps"]
@@ -488,7 +489,6 @@ def run_dashboards(settings: Settings) -> CaseResult:
             )
         learner.telemetry.enable_tensorboard(True)
         metrics.close()
-    frames_per_step = 4 if env.startswith("atari:") else 1
     for on, total in totals.items():
         result.rows.append(
             {
