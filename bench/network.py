@@ -204,7 +204,7 @@ class _Torch:
             episode_ends = (batch.terminated | batch.truncated)[:-1]
             mask = 1.0 - episode_ends.float()
             values_t, bootstrap_value = values[:-1], values[-1]
-            rewards = batch.rewards[1:]
+            rewards = batch.rewards[1:] * config.reward_scale
             if config.reward_clipping == "abs_one":
                 rewards = torch.clamp(rewards, -1.0, 1.0)
             discounts = config.discount * (1.0 - batch.terminated[1:].float()) * mask

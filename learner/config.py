@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Literal
@@ -123,6 +124,9 @@ class LearnerConfig:
     """Weight of the entropy bonus."""
     reward_clipping: Literal["abs_one", "none"] = "abs_one"
     """Rewards for training: abs_one clips to [-1, 1]. Reported returns are always raw."""
+    reward_scale: float = 1.0
+    """Rewards for training are multiplied by this, before clipping: it sets the size of
+    the advantages against the entropy bonus. Reported returns are always raw."""
 
     # -- operation -----------------------------------------------------------
     log_interval_s: float = 5.0
@@ -203,6 +207,10 @@ class LearnerConfig:
         require(self.inference_device >= -1, "inference_device must be -1 or a device index")
         device_indices(self.learner_devices)  # raises DeviceError, a ValueError, if malformed
         require(self.max_grad_norm > 0, "max_grad_norm must be positive")
+        require(
+            math.isfinite(self.reward_scale) and self.reward_scale > 0,
+            f"reward_scale {self.reward_scale} must be positive and finite",
+        )
         require(0.0 <= self.discount <= 1.0, f"discount {self.discount} is outside [0, 1]")
         require(
             0.0 <= self.vtrace_lambda <= 1.0,
@@ -262,9 +270,11 @@ PRESETS: dict[str, LearnerConfig] = {
     # Nature CNN and the usual IMPALA-family settings (unroll 20, batch 32,
     # discount 0.99, rewards clipped to [-1, 1], entropy 0.01, gradient norm 40).
     "atari": LearnerConfig(env="atari:Pong"),
-    # Tuned on CartPole-v1 with 2 actors x 16 envs: mean return >= 475 at
-    # 128k-360k env steps over 8 runs (docs/architecture.md); the separate
-    # value torso of the mlp network mattered most.
+    # Tuned on CartPole-v1 with 2 actors x 16 envs (docs/architecture.md): the
+    # separate value torso of the mlp network mattered most, then the reward
+    # scale. Unscaled, advantages of tens swamped the entropy bonus: 4 runs in
+    # 63 failed, 2 of them collapsed to one action. At 0.1 none of 60 collapsed;
+    # they solved at 73k-298k env steps (median 115k).
     "classic": LearnerConfig(
         env="classic:CartPole-v1",
         total_env_steps=500_000,
@@ -277,6 +287,7 @@ PRESETS: dict[str, LearnerConfig] = {
         unroll_queue_size=32,
         learning_rate=2e-3,
         reward_clipping="none",
+        reward_scale=0.1,
         entropy_cost=0.01,
         log_interval_s=2.0,
     ),

@@ -98,6 +98,7 @@ def loss_settings(config: LearnerConfig) -> learning.LossSettings:
         baseline_cost=config.baseline_cost,
         entropy_cost=config.entropy_cost,
         reward_clipping=config.reward_clipping,
+        reward_scale=config.reward_scale,
     )
 
 
@@ -173,6 +174,7 @@ class Learner:
             spec.observation,
             reward_clipping=config.reward_clipping,
             frame_stack=spec.frame_stack,
+            reward_scale=config.reward_scale,
         )
         self.batcher = DynamicBatcher(config.inference_batch_size, config.inference_timeout_s)
         self.service = LearnerService(

@@ -86,7 +86,7 @@ RECORD_GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ),
     (
         "episode_return_clipped",
-        "Mean return of the last 100 episodes with rewards clipped as in training.",
+        "Mean return of the last 100 episodes with rewards scaled and clipped as in training.",
         "episode_return_clipped_mean",
         1,
     ),

@@ -19,8 +19,8 @@ appends for a slot whose owner has changed since the batch was formed are
 dropped, so a batch still in flight when its stream ended cannot write into
 the slot's next owner.
 
-Episode returns are kept here too, raw and clipped as the learner clips them
-for training, since the store sees every step of every env in order.
+Episode returns are kept here too, raw and as training sees them (rewards scaled
+and clipped), since the store sees every step of every env in order.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class EpisodeStats(NamedTuple):
     returns: list[float]
     """Raw (unclipped) returns of the episodes that ended."""
     clipped_returns: list[float]
-    """Their returns with the rewards clipped as in training."""
+    """Their returns with the rewards scaled and clipped as in training."""
     lengths: list[int]
     """Their lengths in agent steps."""
     env_steps: int
@@ -88,10 +88,12 @@ class UnrollStore:
         initial_slots: int = 64,
         reward_clipping: str = "none",
         frame_stack: int = 1,
+        reward_scale: float = 1.0,
     ):
         """`observation_spec` is one step's observation as the actors send it;
-        `reward_clipping` ("abs_one" or "none") is the training's, for clipped returns;
-        `frame_stack` S: the policy sees each slot's last S observations."""
+        `reward_clipping` ("abs_one" or "none") and `reward_scale` are the training's,
+        for clipped returns; `frame_stack` S: the policy sees each slot's last S
+        observations."""
         if unroll_length < 1:
             raise ValueError(f"unroll_length must be at least 1, got {unroll_length}")
         if frame_stack < 1:
@@ -101,6 +103,7 @@ class UnrollStore:
         self.unroll_length = unroll_length
         self.frame_stack = frame_stack
         self._clip_rewards = reward_clipping == "abs_one"
+        self._reward_scale = reward_scale
         self._observation_spec = observation_spec
         self._lock = threading.Lock()
         self._capacity = 0
@@ -308,8 +311,9 @@ class UnrollStore:
         transition = ~self._episode_start[slots]
         rewards = np.where(transition, step.rewards, 0.0)
         self._episode_return[slots] += rewards
+        scaled = rewards * self._reward_scale if self._reward_scale != 1.0 else rewards
         self._episode_clipped_return[slots] += (
-            np.clip(rewards, -1.0, 1.0) if self._clip_rewards else rewards
+            np.clip(scaled, -1.0, 1.0) if self._clip_rewards else scaled
         )
         self._episode_length[slots] += transition
         ended = slots[step.terminated | step.truncated]

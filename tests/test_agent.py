@@ -74,6 +74,30 @@ def test_rewards_are_clipped_only_when_asked():
     np.testing.assert_array_equal(learning.clip_rewards(rewards, "none"), rewards)
 
 
+@pytest.mark.parametrize(
+    ("clipping", "scale", "expected"),
+    [
+        ("none", 1.0, [-30.0, 0.5, 7.0]),
+        ("none", 0.1, [-3.0, 0.05, 0.7]),
+        # Scaled first, then clipped: 0.1 x 7 = 0.7 stays, 0.1 x -30 = -3 is clipped.
+        ("abs_one", 0.1, [-1.0, 0.05, 0.7]),
+        ("abs_one", 1.0, [-1.0, 0.5, 1.0]),
+    ],
+)
+def test_training_rewards_are_scaled_then_clipped(clipping, scale, expected):
+    batch = learning.Trajectories(
+        observations=jnp.zeros((4, 3, 1)),
+        actions=jnp.zeros((4, 3), jnp.int32),
+        behaviour_log_probs=jnp.zeros((4, 3)),
+        rewards=jnp.array([[0.0] * 3, [-30.0, 0.5, 7.0], [0.0] * 3, [0.0] * 3]),
+        terminated=jnp.zeros((4, 3), bool),
+        truncated=jnp.zeros((4, 3), bool),
+    )
+    settings = SETTINGS._replace(reward_clipping=clipping, reward_scale=scale)
+    inputs = learning.vtrace_inputs(batch, jnp.zeros((3, 3)), jnp.zeros((4, 3)), settings)
+    np.testing.assert_allclose(inputs.rewards[0], expected, rtol=1e-6)
+
+
 def random_batch(rng, steps=6, batch=4, obs=3, actions=2):
     return learning.Trajectories(
         observations=rng.normal(size=(steps, batch, obs)).astype(np.float32),

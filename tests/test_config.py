@@ -45,6 +45,10 @@ def test_unknown_preset_is_a_clear_error():
         ("port", 70000, "outside 0..65535"),
         ("clip_rho_threshold", 0.0, "positive or None"),
         ("inference_timeout_ms", -1.0, "must not be negative"),
+        ("reward_scale", 0.0, "reward_scale 0.0 must be positive and finite"),
+        ("reward_scale", -0.1, "must be positive and finite"),
+        ("reward_scale", float("nan"), "must be positive and finite"),
+        ("reward_scale", float("inf"), "must be positive and finite"),
     ],
 )
 def test_bad_values_say_why(field, value, message):

@@ -174,10 +174,19 @@ def test_recycled_observation_arrays_are_reused_and_overwritten_correctly():
     np.testing.assert_array_equal(second.observations[:, 0], [2.0, 3.0, 4.0])
 
 
-def test_clipped_returns_clip_each_reward_as_training_does():
-    for clipping, expected_clipped in (("abs_one", 1.0 - 1.0 + 0.5), ("none", 5.0 - 3.0 + 0.5)):
+def test_clipped_returns_scale_and_clip_each_reward_as_training_does():
+    for clipping, scale, expected_clipped in (
+        ("abs_one", 1.0, 1.0 - 1.0 + 0.5),
+        ("none", 1.0, 5.0 - 3.0 + 0.5),
+        ("none", 0.1, 0.5 - 0.3 + 0.05),
+        ("abs_one", 0.25, 1.0 - 0.75 + 0.125),
+    ):
         store = UnrollStore(
-            unroll_length=10, observation_spec=SPEC, initial_slots=1, reward_clipping=clipping
+            unroll_length=10,
+            observation_spec=SPEC,
+            initial_slots=1,
+            reward_clipping=clipping,
+            reward_scale=scale,
         )
         (slot,) = store.allocate(owner=1, count=1)
         slots = np.array([slot])
@@ -199,7 +208,7 @@ def test_clipped_returns_clip_each_reward_as_training_does():
             policy_version=0,
         )
         assert episodes.returns == [2.5]
-        assert episodes.clipped_returns == [expected_clipped]
+        assert episodes.clipped_returns == [pytest.approx(expected_clipped)]
 
 
 def test_a_batch_of_several_messages_is_observed_as_if_it_were_one_array():

@@ -65,6 +65,8 @@ class LossSettings(NamedTuple):
     baseline_cost: float
     entropy_cost: float
     reward_clipping: Literal["abs_one", "none"]
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before clipping."""
 
 
 class TrainState(NamedTuple):
@@ -105,7 +107,7 @@ def vtrace_inputs(
     episode_ends = jnp.logical_or(batch.terminated, batch.truncated)[:-1]
     mask = 1.0 - episode_ends.astype(jnp.float32)
     values_t, bootstrap_value = values[:-1], values[-1]
-    rewards = clip_rewards(batch.rewards[1:], settings.reward_clipping)
+    rewards = clip_rewards(batch.rewards[1:] * settings.reward_scale, settings.reward_clipping)
     # No bootstrapping past a termination; an auto-reset transition has no future at all.
     discounts = settings.discount * (1.0 - batch.terminated[1:].astype(jnp.float32)) * mask
     # At an auto-reset step, reward := V(x_t) and discount := 0 make V-trace's target
