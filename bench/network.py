@@ -35,6 +35,7 @@ from learner.agents.vtrace import learning
 from learner.config import PRESETS
 from learner.learner import loss_settings, optimizer_for
 from learner.networks import make_network
+from learner.rewards import training_rewards
 
 NUM_ACTIONS = 6
 OBSERVATION_SHAPE = (4, 84, 84)
@@ -204,9 +205,9 @@ class _Torch:
             episode_ends = (batch.terminated | batch.truncated)[:-1]
             mask = 1.0 - episode_ends.float()
             values_t, bootstrap_value = values[:-1], values[-1]
-            rewards = batch.rewards[1:] * config.reward_scale
-            if config.reward_clipping == "abs_one":
-                rewards = torch.clamp(rewards, -1.0, 1.0)
+            rewards = training_rewards(
+                batch.rewards[1:], config.reward_clipping, config.reward_scale
+            )
             discounts = config.discount * (1.0 - batch.terminated[1:].float()) * mask
             rewards = torch.where(episode_ends, values_t.detach(), rewards)
             log_rhos = target_log_probs - batch.behaviour_log_probs[:-1]

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from learner.frame_stack import window_validity
+from learner.rewards import REWARD_CLIPPINGS, training_rewards
 from seedrl.codec import EnvStep
 from seedrl.specs import TensorSpec
 
@@ -98,11 +99,11 @@ class UnrollStore:
             raise ValueError(f"unroll_length must be at least 1, got {unroll_length}")
         if frame_stack < 1:
             raise ValueError(f"frame_stack must be at least 1, got {frame_stack}")
-        if reward_clipping not in ("abs_one", "none"):
+        if reward_clipping not in REWARD_CLIPPINGS:
             raise ValueError(f"unknown reward_clipping {reward_clipping!r}")
         self.unroll_length = unroll_length
         self.frame_stack = frame_stack
-        self._clip_rewards = reward_clipping == "abs_one"
+        self._reward_clipping = reward_clipping
         self._reward_scale = reward_scale
         self._observation_spec = observation_spec
         self._lock = threading.Lock()
@@ -311,9 +312,8 @@ class UnrollStore:
         transition = ~self._episode_start[slots]
         rewards = np.where(transition, step.rewards, 0.0)
         self._episode_return[slots] += rewards
-        scaled = rewards * self._reward_scale if self._reward_scale != 1.0 else rewards
-        self._episode_clipped_return[slots] += (
-            np.clip(scaled, -1.0, 1.0) if self._clip_rewards else scaled
+        self._episode_clipped_return[slots] += training_rewards(
+            rewards, self._reward_clipping, self._reward_scale
         )
         self._episode_length[slots] += transition
         ended = slots[step.terminated | step.truncated]

@@ -10,6 +10,7 @@ import pytest
 from learner.agents.vtrace import learning
 from learner.networks import NetworkMismatch, check_network_fits, make_network
 from learner.ops.vtrace import vtrace
+from learner.rewards import training_rewards
 
 SETTINGS = learning.LossSettings(
     discount=0.9,
@@ -70,8 +71,8 @@ def test_auto_reset_transition_carries_no_target(end):
 
 def test_rewards_are_clipped_only_when_asked():
     rewards = jnp.array([-3.0, 0.5, 7.0])
-    np.testing.assert_array_equal(learning.clip_rewards(rewards, "abs_one"), [-1.0, 0.5, 1.0])
-    np.testing.assert_array_equal(learning.clip_rewards(rewards, "none"), rewards)
+    np.testing.assert_array_equal(training_rewards(rewards, "abs_one"), [-1.0, 0.5, 1.0])
+    np.testing.assert_array_equal(training_rewards(rewards, "none"), rewards)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from learner.devices import Placement
 from learner.frame_stack import stack_frames
 from learner.networks import PolicyOutput
 from learner.ops.vtrace import vtrace
+from learner.rewards import training_rewards
 
 Params = Any
 ApplyFn = Callable[[Params, jax.Array], PolicyOutput]
@@ -76,14 +77,6 @@ class TrainState(NamedTuple):
     """int32 scalar: updates applied so far (the policy version)."""
 
 
-def clip_rewards(rewards: jax.Array, mode: str) -> jax.Array:
-    if mode == "abs_one":
-        return jnp.clip(rewards, -1.0, 1.0)
-    if mode == "none":
-        return rewards
-    raise ValueError(f"unknown reward clipping {mode!r}")
-
-
 class VTraceInputs(NamedTuple):
     log_rhos: jax.Array
     discounts: jax.Array
@@ -107,7 +100,7 @@ def vtrace_inputs(
     episode_ends = jnp.logical_or(batch.terminated, batch.truncated)[:-1]
     mask = 1.0 - episode_ends.astype(jnp.float32)
     values_t, bootstrap_value = values[:-1], values[-1]
-    rewards = clip_rewards(batch.rewards[1:] * settings.reward_scale, settings.reward_clipping)
+    rewards = training_rewards(batch.rewards[1:], settings.reward_clipping, settings.reward_scale)
     # No bootstrapping past a termination; an auto-reset transition has no future at all.
     discounts = settings.discount * (1.0 - batch.terminated[1:].astype(jnp.float32)) * mask
     # At an auto-reset step, reward := V(x_t) and discount := 0 make V-trace's target
