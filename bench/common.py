@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -78,6 +79,31 @@ def pause_processes(pids: list[int], pause: bool) -> None:
     go on (SIGCONT)."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP if pause else signal.SIGCONT)
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(task) for task in os.listdir(f"/proc/{pid}/task")]
+
+
+def pin_processes(pids: list[int], cpus: set[int]) -> None:
+    """Runs every thread of the processes on `cpus` only (threads they start later
+    inherit it from the thread that starts them)."""
+    for pid in pids:
+        # Twice: a thread started while the first pass ran may have missed it.
+        for _ in range(2):
+            for thread in _threads(pid):
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.sched_setaffinity(thread, cpus)
+
+
+def cpus_of(pids: list[int]) -> list[int]:
+    """The cores any thread of the processes may run on, as the kernel reports them."""
+    cpus: set[int] = set()
+    for pid in pids:
+        for thread in _threads(pid):
+            with contextlib.suppress(ProcessLookupError):
+                cpus |= os.sched_getaffinity(thread)
+    return sorted(cpus)
 
 
 def alternating(windows: int) -> list[bool]:

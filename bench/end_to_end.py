@@ -35,8 +35,10 @@ from bench.common import (
     Window,
     alternating,
     cores,
+    cpus_of,
     drain_unrolls,
     pause_processes,
+    pin_processes,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,25 +259,51 @@ def measure_against_raw(
     warmup_s: float,
     duration_s: float,
     windows: int,
+    learner_cpus: set[int] | None = None,
 ) -> dict:
     """Case (c) for one configuration: the fleet's env frames/s and case (a)'s at the same
     P and K, in alternating windows (fleet, raw, raw, fleet, ...; the side not measured
     is stopped with SIGSTOP), `duration_s` in all for each, so that both figures of the
-    ratio come from the same minutes of the machine."""
+    ratio come from the same minutes of the machine.
+
+    With `learner_cpus`, the learner (this process) runs on those cores and the actors
+    and the raw envs on the others, as a fleet with a learner of its own runs."""
     from bench import raw_env
 
     if windows < 2 or windows % 2:
         raise ValueError(f"windows must be even and at least 2, got {windows}")
+    usable = os.sched_getaffinity(0)
+    env_cpus = usable
+    if learner_cpus is not None:
+        env_cpus = usable - set(learner_cpus)
+        if not learner_cpus <= usable or not env_cpus:
+            raise ValueError(
+                f"learner cores {sorted(learner_cpus)} must be some, not all, of the "
+                f"usable cores {sorted(usable)}"
+            )
     window_s = 2 * duration_s / windows
     fleet_on = alternating(windows)
     raw = raw_env.PausableEnvs(env, processes, num_envs)
     try:
         raw.pause()
-        with serving_fleet(env, processes, num_envs, groups, train=False) as (
-            learner,
-            config,
-            actor_pids,
+        with (
+            contextlib.ExitStack() as pinned,
+            serving_fleet(env, processes, num_envs, groups, train=False) as (
+                learner,
+                config,
+                actor_pids,
+            ),
         ):
+            if learner_cpus is not None:
+                pin_processes(raw.pids(), env_cpus)
+                pin_processes(actor_pids, env_cpus)
+                pin_processes([os.getpid()], learner_cpus)
+                pinned.callback(pin_processes, [os.getpid()], usable)
+            # Where each side's threads may run, read back from the kernel.
+            placement = {
+                "learner_cpus": cpus_of([os.getpid()]),
+                "env_cpus": cpus_of([*actor_pids, *raw.pids()]),
+            }
             metrics = _metrics(learner, config)
             time.sleep(warmup_s)
             metrics.record(learner.unrolls.qsize())  # opens the per-request figures' span
@@ -319,6 +347,8 @@ def measure_against_raw(
         "processes": processes,
         "envs_per_process": num_envs,
         "groups": groups,
+        "learner_placement": "shared" if learner_cpus is None else "own cores",
+        **placement,
         "windows": windows,
         "window_s": window_s,
         "env_steps_per_s": fleet_fps / frames,
@@ -351,6 +381,7 @@ def run_trivial(settings: Settings) -> CaseResult:
             Column("processes", "P", "{}"),
             Column("envs_per_process", "K", "{}"),
             Column("groups", "G", "{}"),
+            Column("learner_placement", "learner", "{}"),
             Column("env_frames_per_s", "env frames/s"),
             Column("raw_env_frames_per_s", "raw (a) frames/s"),
             Column("ratio_to_raw", "ratio to (a)", "{:.3f}"),
@@ -371,6 +402,24 @@ def run_trivial(settings: Settings) -> CaseResult:
                 env, processes, envs, groups, settings.warmup_s, settings.duration_s, windows
             )
         )
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) >= 2:
+        # The last configuration again, the learner on cores of its own (a quarter, at least
+        # one) and one actor process per remaining core, as fleets run with a learner machine.
+        learner_cpus = set(usable[-max(1, len(usable) // 4) :])
+        envs, groups = configurations[-1]
+        result.rows.append(
+            measure_against_raw(
+                env,
+                len(usable) - len(learner_cpus),
+                envs,
+                groups,
+                settings.warmup_s,
+                settings.duration_s,
+                windows,
+                learner_cpus=learner_cpus,
+            )
+        )
     result.notes.append(
         f"Each row: the fleet and case (a)'s env stack at the same P and K, alternating in "
         f"{windows} windows (fleet, raw, raw, fleet, ...; the other side stopped), "
@@ -378,8 +427,10 @@ def run_trivial(settings: Settings) -> CaseResult:
         f"each fleet window against the raw one beside it."
     )
     result.notes.append(
-        "Actors, learner and gRPC share this machine's cores: the ratio is the share of "
-        "the env stack's speed left after transport, batching and unroll assembly."
+        "learner 'shared': actors, learner and gRPC share every core, and the ratio is the "
+        "share of the env stack's speed left after transport, batching and unroll assembly. "
+        "'own cores': the learner runs on cores of its own, the actors and case (a)'s envs "
+        "(one process per core) on the rest, and the ratio is the actors' side of that cost."
     )
     return result
 

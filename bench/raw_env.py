@@ -135,17 +135,17 @@ class PausableEnvs:
         """Env steps taken so far, all processes."""
         return sum(counter.value for counter in self._counters)
 
-    def _pids(self) -> list[int]:
+    def pids(self) -> list[int]:
         ended = [worker.exitcode for worker in self._workers if worker.exitcode is not None]
         if ended:
             raise RuntimeError(f"env processes ended (exit codes {ended})")
         return [worker.pid for worker in self._workers]
 
     def pause(self) -> None:
-        pause_processes(self._pids(), True)
+        pause_processes(self.pids(), True)
 
     def resume(self) -> None:
-        pause_processes(self._pids(), False)
+        pause_processes(self.pids(), False)
 
     def close(self) -> None:
         for worker in self._workers:

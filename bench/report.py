@@ -65,8 +65,10 @@ def plot_raw_and_end_to_end(path: str, results: dict[str, CaseResult]) -> None:
         for row in result.rows if result else []:
             if row["env"] != env:
                 continue
-            groups = f" G={row['groups']}" if case == "c" else ""
-            label = f"({case}) P={row['processes']} K={row['envs_per_process']}{groups}"
+            detail = f" G={row['groups']}" if case == "c" else ""
+            if row.get("learner_placement") == "own cores":
+                detail += ", learner's own cores"
+            label = f"({case}) P={row['processes']} K={row['envs_per_process']}{detail}"
             entries.append((label, row["env_frames_per_s"], row.get("raw_env_frames_per_s")))
     if not entries:
         return

@@ -52,19 +52,33 @@ def test_raw_and_end_to_end_cases_measure_frames(short_run):
     assert set(raw) == {"atari:Pong", "counting:v0"}
     pong = raw["atari:Pong"]
     assert pong["env_frames_per_s"] == pytest.approx(4 * pong["env_steps_per_s"])
-    (trivial,) = results["c"]["rows"]
-    assert trivial["env_frames_per_s"] > 0 and trivial["raw_env_frames_per_s"] > 0
-    # The fleet's window, then the raw envs' at the same P and K; the row is made of them.
-    fleet, raw_window = trivial["per_window"]
-    assert (fleet["side"], raw_window["side"]) == ("fleet", "raw")
-    assert trivial["env_frames_per_s"] == pytest.approx(fleet["env_frames_per_s"], rel=1e-3)
-    assert trivial["raw_env_frames_per_s"] == pytest.approx(
-        raw_window["env_frames_per_s"], rel=1e-3
-    )
-    assert trivial["ratio_to_raw"] == pytest.approx(
-        trivial["env_frames_per_s"] / trivial["raw_env_frames_per_s"]
-    )
-    assert trivial["ratio_to_raw_per_pair"] == [pytest.approx(trivial["ratio_to_raw"], rel=1e-3)]
+    usable = sorted(os.sched_getaffinity(0))
+    rows = results["c"]["rows"]
+    assert [row["learner_placement"] for row in rows] == ["shared", "own cores"][: len(usable)]
+    for trivial in rows:
+        assert trivial["env_frames_per_s"] > 0 and trivial["raw_env_frames_per_s"] > 0
+        # The fleet's window, then the raw envs' at the same P and K; the row is made of them.
+        fleet, raw_window = trivial["per_window"]
+        assert (fleet["side"], raw_window["side"]) == ("fleet", "raw")
+        assert trivial["env_frames_per_s"] == pytest.approx(fleet["env_frames_per_s"], rel=1e-3)
+        assert trivial["raw_env_frames_per_s"] == pytest.approx(
+            raw_window["env_frames_per_s"], rel=1e-3
+        )
+        assert trivial["ratio_to_raw"] == pytest.approx(
+            trivial["env_frames_per_s"] / trivial["raw_env_frames_per_s"]
+        )
+        assert trivial["ratio_to_raw_per_pair"] == [
+            pytest.approx(trivial["ratio_to_raw"], rel=1e-3)
+        ]
+    # Where the threads ran, as the kernel reported it during the run: everything on every
+    # core; then the learner on cores of its own, one actor process per other core.
+    assert rows[0]["learner_cpus"] == rows[0]["env_cpus"] == usable
+    if len(usable) >= 2:
+        own = rows[1]
+        assert own["learner_cpus"] and own["env_cpus"]
+        assert not set(own["learner_cpus"]) & set(own["env_cpus"])
+        assert sorted(own["learner_cpus"] + own["env_cpus"]) == usable
+        assert own["processes"] == len(own["env_cpus"])
     (training,) = results["d"]["rows"]
     assert training["updates_per_s"] > 0 and training["env_frames_per_s"] > 0
     for share in ("time_inference", "time_trainer_waiting", "time_training"):
@@ -143,6 +157,44 @@ def test_pausable_envs_stop_counting_while_paused_and_go_on_after():
         envs.pause()  # closing ends stopped processes as well
         envs.close()
     assert all(_state(pid) in ("", "Z") for pid in pids)
+
+
+def test_pinning_reaches_every_thread_and_the_threads_started_after():
+    from bench.common import cpus_of, pin_processes
+
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip("pinning to some of the cores needs two")
+    script = (
+        "import os, threading\n"
+        "started = threading.Event()\n"
+        "threading.Thread(target=lambda: (started.set(), threading.Event().wait()), daemon=True).start()\n"
+        "started.wait()\n"
+        "print(flush=True)\n"
+        "input()\n"
+        "later = threading.Thread(target=lambda: print(sorted(os.sched_getaffinity(0))))\n"
+        "later.start(); later.join()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child.stdout.readline()  # both threads are up
+        assert len(os.listdir(f"/proc/{child.pid}/task")) == 2
+        assert cpus_of([child.pid]) == usable
+        pin_processes([child.pid], {usable[-1]})
+        for thread in os.listdir(f"/proc/{child.pid}/task"):
+            assert os.sched_getaffinity(int(thread)) == {usable[-1]}
+        assert cpus_of([child.pid]) == [usable[-1]]
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == str([usable[-1]])  # inherited
+    finally:
+        child.kill()
+        child.wait(timeout=30)
 
 
 def test_pausable_envs_end_when_the_benchmark_is_killed():
