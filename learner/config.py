@@ -46,6 +46,11 @@ class LearnerConfig:
     """Seed of the parameter initialisation and of action sampling."""
     stop_at_return: float | None = None
     """Also stop once the mean raw return of the last 100 episodes reaches this; None: never."""
+    stop_eval_episodes: int = 0
+    """With --stop-at-return: once the 100-episode mean reaches it, the learner also plays
+    this many episodes greedily with its current parameters, on envs of its own, and stops
+    only if their mean reaches it too; if not, it trains on and asks again after its actors
+    have played as many episodes more. 0: the 100-episode mean alone decides."""
 
     # -- inference -----------------------------------------------------------
     inference_batch_size: int = 64
@@ -185,6 +190,12 @@ class LearnerConfig:
 
         require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
         require(self.total_env_steps > 0, "total_env_steps must be positive")
+        require(self.stop_eval_episodes >= 0, "stop_eval_episodes must not be negative")
+        require(
+            not self.stop_eval_episodes or self.stop_at_return is not None,
+            "--stop-eval-episodes checks the policy before a stop at --stop-at-return: "
+            "give --stop-at-return too",
+        )
         require(self.inference_batch_size >= 1, "inference_batch_size must be at least 1")
         require(
             self.inference_timeout_ms >= 0,

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 logger = logging.getLogger("seedrl-eval")
@@ -150,14 +150,102 @@ class VideoWriter:
             self._writer = None
 
 
+class Player:
+    """Plays episodes of a network's policy on a vector env: its most likely actions, or
+    actions sampled from it. seedrl-eval plays a checkpoint with it; the learner, its
+    current parameters when --stop-eval-episodes asks it to."""
+
+    def __init__(self, network: Any, spec: Any, lstm_size: int, sample: bool):
+        import jax
+        import jax.numpy as jnp
+
+        self._network = network
+        self._spec = spec
+        self._lstm_size = lstm_size
+        self.policy = "sample" if sample else "greedy"
+
+        @jax.jit
+        def act(
+            params: Any, observations: jax.Array, first: jax.Array, state: Any, key: jax.Array
+        ) -> tuple[jax.Array, Any, jax.Array]:
+            if lstm_size:
+                # The core state carried from step to step, zeroed where episodes start.
+                output, state = network.apply(params, observations[None], first[None], state)
+                logits = output.logits[0]
+            else:
+                logits = network.apply(params, observations).logits
+            key, sample_key = jax.random.split(key)
+            if sample:
+                return jax.random.categorical(sample_key, logits).astype(jnp.int32), state, key
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), state, key
+
+        self._act = act
+
+    def play(
+        self,
+        env: Any,
+        params: Any,
+        episodes: int,
+        seed: int,
+        video: VideoWriter | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> tuple[list[float], list[int]]:
+        """(returns, lengths) of `episodes` episodes, spread evenly over the env's copies
+        (each plays its own quota, so short episodes are not over-counted), from a reset.
+        With `video`, the first episode of env 0 is recorded. Stops early, with what it has,
+        once `cancelled()` says so."""
+        import jax
+        import numpy as np
+
+        from learner.frame_stack import FrameStacker
+
+        num_envs = env.num_envs
+        quota = quotas(episodes, num_envs)
+        played = [0] * num_envs
+        running = np.zeros(num_envs, np.float64)
+        steps = np.zeros(num_envs, np.int64)
+        returns: list[float] = []
+        lengths: list[int] = []
+        key = jax.random.key(seed)
+        stacker = FrameStacker(self._spec, num_envs)  # the learner's frame stacking, if any
+        state = self._network.initial_state(num_envs) if self._lstm_size else None
+        step = env.reset()
+        first = np.ones(num_envs, np.bool_)
+        recording = video is not None
+        if recording:
+            video.add(env.render())
+        while sum(played) < episodes and not cancelled():
+            actions, state, key = self._act(
+                params, stacker(step.observations, first), first, state, key
+            )
+            step = env.step(np.asarray(actions))
+            first = step.terminated | step.truncated  # the next observation starts anew
+            running += step.rewards
+            steps += 1
+            if recording:
+                video.add(env.render())
+            ended = np.flatnonzero(step.terminated | step.truncated)
+            for index in ended.tolist():
+                if index == 0:
+                    recording = False
+                if played[index] < quota[index]:
+                    returns.append(float(running[index]))
+                    lengths.append(int(steps[index]))
+                    played[index] += 1
+            if ended.size:
+                # Next-step autoreset: the envs that ended start over at the next
+                # step, which ignores their action and brings reward 0.
+                running[ended] = 0.0
+                steps[ended] = -1
+        return returns, lengths
+
+
 def evaluate(config: EvalConfig) -> EvalResult:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from envs import registry
     from learner import checkpoint
-    from learner.frame_stack import FrameStacker
     from learner.networks import init_params, make_network
 
     run = _run_config(config.run_dir)
@@ -192,62 +280,15 @@ def evaluate(config: EvalConfig) -> EvalResult:
         env.close()
         raise SystemExit(f"seedrl-eval: {error}") from error
 
-    @jax.jit
-    def act(
-        params: Any, observations: jax.Array, first: jax.Array, state: Any, key: jax.Array
-    ) -> tuple[jax.Array, Any, jax.Array]:
-        if lstm_size:
-            # The core state carried from step to step, zeroed where episodes start.
-            output, state = network.apply(params, observations[None], first[None], state)
-            logits = output.logits[0]
-        else:
-            logits = network.apply(params, observations).logits
-        key, sample_key = jax.random.split(key)
-        if config.sample:
-            return jax.random.categorical(sample_key, logits).astype(jnp.int32), state, key
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), state, key
-
     video = None
     if config.video:
         fps = config.video_fps or int(getattr(env, "render_fps", 30))
         video = VideoWriter(config.video, fps)
-    quota = quotas(config.episodes, num_envs)
-    played = [0] * num_envs
-    running = np.zeros(num_envs, np.float64)
-    steps = np.zeros(num_envs, np.int64)
-    returns: list[float] = []
-    lengths: list[int] = []
-    key = jax.random.key(config.seed)
     started = time.perf_counter()
     try:
-        stacker = FrameStacker(spec, num_envs)  # the learner's frame stacking, if any
-        state = network.initial_state(num_envs) if lstm_size else None
-        step = env.reset()
-        first = np.ones(num_envs, np.bool_)
-        recording = video is not None
-        if recording:
-            video.add(env.render())
-        while sum(played) < config.episodes:
-            actions, state, key = act(params, stacker(step.observations, first), first, state, key)
-            step = env.step(np.asarray(actions))
-            first = step.terminated | step.truncated  # the next observation starts anew
-            running += step.rewards
-            steps += 1
-            if recording:
-                video.add(env.render())
-            ended = np.flatnonzero(step.terminated | step.truncated)
-            for index in ended.tolist():
-                if index == 0:
-                    recording = False
-                if played[index] < quota[index]:
-                    returns.append(float(running[index]))
-                    lengths.append(int(steps[index]))
-                    played[index] += 1
-            if ended.size:
-                # Next-step autoreset: the envs that ended start over at the next
-                # step, which ignores their action and brings reward 0.
-                running[ended] = 0.0
-                steps[ended] = -1
+        returns, lengths = Player(network, spec, lstm_size, config.sample).play(
+            env, params, config.episodes, config.seed, video
+        )
     finally:
         env.close()
         if video is not None:

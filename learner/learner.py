@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,7 @@ from learner.metrics import MetricsLogger
 from learner.networks import check_network_fits, core_state_shape, init_params, make_network
 from learner.server import LearnerService
 from learner.stats import RETURN_WINDOW, LearnerStats
+from learner.stop_check import StopCheck
 from learner.telemetry import Telemetry
 from learner.trainer import Trainer
 from learner.unroll_store import UnrollStore
@@ -48,6 +50,7 @@ from seedrl.transport import server_options
 logger = logging.getLogger(__name__)
 
 COMPLETION_CHECK_S = 0.25
+STOP_CHECK_SEED = 2_000_003  # the envs of --stop-eval-episodes: apart from the actors' seeds
 
 
 def global_batch_size(config: LearnerConfig, device_count: int) -> int:
@@ -228,6 +231,17 @@ class Learner:
                 "rng_key": jax.random.key_data(self.inference.rng_key).tolist()
             },
             max_nonfinite_updates=config.max_nonfinite_updates,
+        )
+        self._stop_check = (
+            StopCheck(
+                config.env,
+                network,
+                config.lstm_size,
+                config.stop_eval_episodes,
+                seed=STOP_CHECK_SEED + config.seed,
+            )
+            if config.stop_eval_episodes
+            else None
         )
         self.telemetry = Telemetry(
             run_dir=self.run_dir,
@@ -427,7 +441,7 @@ class Learner:
                 if time.monotonic() >= next_log:
                     next_log += config.log_interval_s
                     self._log(metrics)
-                reason = self._completion()
+                reason = self._completion() or await self._return_reached()
                 if reason:
                     finished = True
                     logger.info("%s: training finished", reason)
@@ -445,6 +459,8 @@ class Learner:
             self._log(metrics)
             metrics.close()
             self.telemetry.close()
+            if self._stop_check is not None:
+                self._stop_check.close()
         if self._failure is not None:
             logger.error("the learner stopped because of: %r", self._failure)
             return 1
@@ -462,18 +478,58 @@ class Learner:
         """Why training is complete, or "" while it is not."""
         if self.trainer.agreed_stop.is_set():
             return "the learner processes agreed to stop"
-        env_steps, returns = self.stats.progress()
+        env_steps, _ = self.stats.progress()
         # Each of N learner processes counts its own actors' steps: 1/N of the total each.
         env_steps *= self.placement.process_count
         if env_steps >= self.config.total_env_steps:
             return f"reached {env_steps} of {self.config.total_env_steps} env steps"
+        return ""
+
+    async def _return_reached(self) -> str:
+        """Why training is complete by --stop-at-return, or "" while it is not.
+
+        With --stop-eval-episodes the current parameters must also reach the target
+        greedily; serving and training go on while they play."""
         target = self.config.stop_at_return
-        if target is not None and len(returns) >= RETURN_WINDOW:
-            mean = sum(returns) / len(returns)
-            if mean >= target:
-                return (
-                    f"mean return {mean:.2f} of the last {len(returns)} episodes reached {target:g}"
-                )
+        if target is None:
+            return ""
+        _, returns = self.stats.progress()
+        if len(returns) < RETURN_WINDOW or sum(returns) / len(returns) < target:
+            return ""
+        reached = (
+            f"mean return {sum(returns) / len(returns):.2f} of the last {len(returns)} "
+            f"episodes reached {target:g}"
+        )
+        check = self._stop_check
+        if check is None:
+            return reached
+        if not check.due(self.stats.counters()["episodes"]):
+            return ""
+        params, version = self.parameters.latest()
+        cancelled = threading.Event()
+        playing = asyncio.ensure_future(asyncio.to_thread(check.play, params, cancelled.is_set))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({playing, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not playing.done():  # asked to stop meanwhile: the check no longer matters
+            cancelled.set()
+            await playing
+            return ""
+        try:
+            played = playing.result()
+        except Exception as error:  # the learner's own envs failed: stop, with a checkpoint
+            self._fail(error)
+            return ""
+        mean = sum(played) / len(played)
+        self.stats.add("stop_check_return", mean)
+        verdict = (
+            f"{len(played)} greedy episodes of the parameters of update {version} "
+            f"averaged {mean:.2f}"
+        )
+        if mean >= target:
+            return f"{reached}, and {verdict}"
+        check.fell_short(self.stats.counters()["episodes"])
+        logger.info("%s, but %s: training on", reached, verdict)
         return ""
 
     async def _shutdown(self, server: grpc.aio.Server, finished: bool) -> None:

@@ -85,6 +85,8 @@ class MetricsLogger:
             ),
             "inference_batch_mean": _round(mean("inference_batch_envs"), 2),
             "inference_latency_ms": _round(mean("inference_latency_s", 1000.0), 3),
+            # --stop-eval-episodes: the greedy mean of the learner's own check, if one ran.
+            "stop_check_return": _round(mean("stop_check_return")),
             "unroll_queue_depth": unroll_queue_depth,
             "connected_actors": snapshot["connected_actors"],
             "connected_envs": snapshot["connected_envs"],

@@ -52,6 +52,7 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "episode_return_mean": "episode/return",
     "episode_return_clipped_mean": "episode/return_clipped",
     "episode_length_mean": "episode/length",
+    "stop_check_return": "episode/stop_check_return",
     "loss": "loss/total",
     "policy_loss": "loss/policy",
     "baseline_loss": "loss/baseline",

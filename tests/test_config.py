@@ -49,6 +49,8 @@ def test_unknown_preset_is_a_clear_error():
         ("reward_scale", -0.1, "must be positive and finite"),
         ("reward_scale", float("nan"), "must be positive and finite"),
         ("reward_scale", float("inf"), "must be positive and finite"),
+        ("stop_eval_episodes", -1, "stop_eval_episodes must not be negative"),
+        ("stop_eval_episodes", 20, "give --stop-at-return too"),
     ],
 )
 def test_bad_values_say_why(field, value, message):

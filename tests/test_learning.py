@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -65,6 +66,9 @@ def test_cartpole_is_solved_within_500k_env_steps(tmp_path):
         "500000",
         "--stop-at-return",
         "475",
+        # ... and only once the policy itself, played greedily by the learner, does too.
+        "--stop-eval-episodes",
+        "20",
     )
     actors = [
         spawn_actor(f"127.0.0.1:{port}", "classic:CartPole-v1", 16, f"cartpole-{i}", tmp_path)
@@ -80,9 +84,22 @@ def test_cartpole_is_solved_within_500k_env_steps(tmp_path):
             actor.kill()
     solved = first_solved(tmp_path / "run", 475)
     assert solved["env_steps"] <= 500_000
+    # The learner's own greedy check passed before it stopped; the last record has it too.
+    log = (tmp_path / "learner.log").read_text()
+    check = re.search(
+        r"20 greedy episodes of the parameters of update (\d+) averaged ([\d.]+): "
+        r"training finished",
+        log,
+    )
+    assert check and float(check.group(2)) >= 475, log[-3000:]
+    final = read_metrics(tmp_path)[-1]
+    assert final["stop_check_return"] is not None
+    short = len(re.findall(r"averaged [\d.]+: training on$", log, re.MULTILINE))
     print(
         f"\nCartPole solved at {solved['env_steps']} env steps "
-        f"({solved['elapsed_s']:.0f} s, mean return {solved['episode_return_mean']})"
+        f"({solved['elapsed_s']:.0f} s, mean return {solved['episode_return_mean']}); "
+        f"stopped at {final['env_steps']}, update {check.group(1)}, after the learner's "
+        f"greedy check ({check.group(2)}; {short} checks fell short before)"
     )
 
     # TensorBoard's own reader lists the run's figures.
