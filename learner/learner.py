@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -441,7 +440,7 @@ class Learner:
                 if time.monotonic() >= next_log:
                     next_log += config.log_interval_s
                     self._log(metrics)
-                reason = self._completion() or await self._return_reached()
+                reason = self._completion() or self._return_reached()
                 if reason:
                     finished = True
                     logger.info("%s: training finished", reason)
@@ -485,51 +484,44 @@ class Learner:
             return f"reached {env_steps} of {self.config.total_env_steps} env steps"
         return ""
 
-    async def _return_reached(self) -> str:
+    def _return_reached(self) -> str:
         """Why training is complete by --stop-at-return, or "" while it is not.
 
-        With --stop-eval-episodes the current parameters must also reach the target
-        greedily; serving and training go on while they play."""
+        With --stop-eval-episodes the current parameters must also reach the target,
+        played greedily on a thread of their own while serving and training go on."""
         target = self.config.stop_at_return
         if target is None:
             return ""
         _, returns = self.stats.progress()
-        if len(returns) < RETURN_WINDOW or sum(returns) / len(returns) < target:
-            return ""
-        reached = (
-            f"mean return {sum(returns) / len(returns):.2f} of the last {len(returns)} "
-            f"episodes reached {target:g}"
-        )
+        reached = ""
+        if len(returns) >= RETURN_WINDOW and sum(returns) / len(returns) >= target:
+            reached = (
+                f"mean return {sum(returns) / len(returns):.2f} of the last {len(returns)} "
+                f"episodes reached {target:g}"
+            )
         check = self._stop_check
         if check is None:
             return reached
-        if not check.due(self.stats.counters()["episodes"]):
-            return ""
-        params, version = self.parameters.latest()
-        cancelled = threading.Event()
-        playing = asyncio.ensure_future(asyncio.to_thread(check.play, params, cancelled.is_set))
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({playing, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not playing.done():  # asked to stop meanwhile: the check no longer matters
-            cancelled.set()
-            await playing
-            return ""
+        episodes = self.stats.counters()["episodes"]
         try:
-            played = playing.result()
+            finished = check.finished()
         except Exception as error:  # the learner's own envs failed: stop, with a checkpoint
             self._fail(error)
             return ""
-        mean = sum(played) / len(played)
-        self.stats.add("stop_check_return", mean)
-        verdict = (
-            f"{len(played)} greedy episodes of the parameters of update {version} "
-            f"averaged {mean:.2f}"
-        )
-        if mean >= target:
-            return f"{reached}, and {verdict}"
-        check.fell_short(self.stats.counters()["episodes"])
-        logger.info("%s, but %s: training on", reached, verdict)
+        if finished is not None:
+            version, played = finished
+            mean = sum(played) / len(played)
+            self.stats.add("stop_check_return", mean)
+            verdict = (
+                f"{len(played)} greedy episodes of the parameters of update {version} "
+                f"averaged {mean:.2f}"
+            )
+            if reached and mean >= target:
+                return f"{reached}, and {verdict}"
+            check.fell_short(episodes)
+            logger.info("%s, short of %g: training on", verdict, target)
+        elif reached and check.may_start(episodes):
+            check.start(*self.parameters.latest())
         return ""
 
     async def _shutdown(self, server: grpc.aio.Server, finished: bool) -> None:

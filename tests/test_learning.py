@@ -94,7 +94,7 @@ def test_cartpole_is_solved_within_500k_env_steps(tmp_path):
     assert check and float(check.group(2)) >= 475, log[-3000:]
     final = read_metrics(tmp_path)[-1]
     assert final["stop_check_return"] is not None
-    short = len(re.findall(r"averaged [\d.]+: training on$", log, re.MULTILINE))
+    short = len(re.findall(r"averaged [\d.]+, short of 475: training on$", log, re.MULTILINE))
     print(
         f"\nCartPole solved at {solved['env_steps']} env steps "
         f"({solved['elapsed_s']:.0f} s, mean return {solved['episode_return_mean']}); "
