@@ -181,6 +181,19 @@ class Player:
 
         self._act = act
 
+    def warm_up(self, params: Any, num_envs: int) -> None:
+        """Compiles the policy for `num_envs` envs, so that the first play does not."""
+        import jax
+        import numpy as np
+
+        model = self._spec.model_observation
+        observations = np.zeros((num_envs, *model.shape), model.np_dtype)
+        first = np.ones(num_envs, np.bool_)
+        state = self._network.initial_state(num_envs) if self._lstm_size else None
+        # Twice, as a play calls it: first with a new key, then with the key it returned.
+        _, state, key = self._act(params, observations, first, state, jax.random.key(0))
+        jax.block_until_ready(self._act(params, observations, first, state, key))
+
     def play(
         self,
         env: Any,

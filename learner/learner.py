@@ -339,9 +339,12 @@ class Learner:
             self._loop.call_soon_threadsafe(self._stopping.set)
 
     def compile(self) -> None:
-        """Compiles inference for every padded batch size and the update, before serving."""
+        """Compiles inference for every padded batch size, the update, and the policy of
+        the check before a stop (--stop-eval-episodes), before serving."""
         self.inference.warm_up()
         self.trainer.warm_up(example_trajectories(self.config, self.env_spec, self.local_batch))
+        if self._stop_check is not None:
+            self._stop_check.warm_up(self.parameters.latest()[0])
 
     async def run(self, ready: asyncio.Event | None = None, train: bool = True) -> int:
         """Serves and trains until total_env_steps, a signal, or a failure; the exit code.

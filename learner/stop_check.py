@@ -35,6 +35,10 @@ class StopCheck:
         self._version = 0
         self._next_at = 0
 
+    def warm_up(self, params: Any) -> None:
+        """Compiles the check's policy ahead of its first play."""
+        self._player.warm_up(params, self._env.num_envs)
+
     def may_start(self, fleet_episodes: int) -> bool:
         """Whether a check may start now, the fleet having played `fleet_episodes`."""
         return self._playing is None and fleet_episodes >= self._next_at

@@ -127,3 +127,15 @@ def test_a_check_plays_exactly_its_episodes(make_learner, episodes):
     params, _ = learner.parameters.latest()
     returns = learner._stop_check.play(params)
     assert len(returns) == episodes and all(r > 0 for r in returns)
+
+
+def test_the_learners_compile_warms_the_checks_policy_for_its_play(make_learner):
+    learner = make_learner(target=475, episodes=20)
+    player = learner._stop_check._player
+    assert player._act._cache_size() == 0
+    learner.compile()
+    compiled = player._act._cache_size()
+    assert compiled >= 1
+    params, _ = learner.parameters.latest()
+    learner._stop_check.play(params)
+    assert player._act._cache_size() == compiled  # the play ran what compile had compiled
