@@ -522,7 +522,13 @@ class Learner:
             if reached and mean >= target:
                 return f"{reached}, and {verdict}"
             check.fell_short(episodes)
-            logger.info("%s, short of %g: training on", verdict, target)
+            logger.info(
+                "%s, %s: training on",
+                verdict,
+                f"short of {target:g}"
+                if mean < target
+                else f"but the fleet's 100-episode mean fell back below {target:g}",
+            )
         elif reached and check.may_start(episodes):
             check.start(*self.parameters.latest())
         return ""

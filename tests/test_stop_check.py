@@ -10,6 +10,7 @@ waits for a check's play to finish where the learner would ask again later.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
@@ -60,7 +61,8 @@ def fleet_played(learner: Learner, episodes: int, episode_return: float) -> None
     learner.stats.add_episodes([episode_return] * episodes, [500] * episodes, 500 * episodes)
 
 
-def test_the_fleets_mean_alone_does_not_stop_a_policy_that_falls_short(make_learner):
+def test_the_fleets_mean_alone_does_not_stop_a_policy_that_falls_short(make_learner, caplog):
+    caplog.set_level(logging.INFO, logger="learner.learner")
     learner = make_learner(target=475, episodes=4)
     fleet_played(learner, 99, 500.0)
     assert ask(learner) == "" and ask(learner) == ""  # fewer than 100 episodes: no check
@@ -70,6 +72,10 @@ def test_the_fleets_mean_alone_does_not_stop_a_policy_that_falls_short(make_lear
     assert ask(learner) == ""  # its verdict: short
     count, untrained = checks(learner)
     assert count == 1 and 0 < untrained < 475
+    assert caplog.messages[-1] == (
+        f"4 greedy episodes of the parameters of update 0 averaged {untrained:.2f}, "
+        "short of 475: training on"
+    )
     # None again until the fleet has played as many episodes more.
     fleet_played(learner, 3, 500.0)
     assert ask(learner) == "" and ask(learner) == "" and checks(learner) == (0, None)
@@ -91,12 +97,16 @@ def test_a_policy_that_reaches_the_target_greedily_stops_the_run(make_learner):
     )
 
 
-def test_a_check_that_passes_after_the_fleets_mean_fell_back_does_not_stop(make_learner):
+def test_a_check_that_passes_after_the_fleets_mean_fell_back_does_not_stop(make_learner, caplog):
+    caplog.set_level(logging.INFO, logger="learner.learner")
     learner = make_learner(target=5, episodes=4)
     fleet_played(learner, 100, 10.0)
     assert ask(learner) == ""  # the check starts with the mean at 10
     fleet_played(learner, 100, 1.0)  # while it played, the fleet's mean fell to 1
     assert ask(learner) == "" and checks(learner)[0] == 1
+    assert caplog.messages[-1].endswith(
+        ", but the fleet's 100-episode mean fell back below 5: training on"
+    )
     fleet_played(learner, 100, 10.0)
     assert ask(learner) == "" and ask(learner).endswith(" averaged " + f"{checks(learner)[1]:.2f}")
 
