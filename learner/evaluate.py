@@ -27,6 +27,8 @@ from typing import Any
 
 logger = logging.getLogger("seedrl-eval")
 
+MAX_ENVS = 8  # envs played in parallel unless --num-envs says otherwise
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -39,7 +41,7 @@ class EvalConfig:
     episodes: int = 10
     """Episodes to play."""
     num_envs: int = 0
-    """Envs played in parallel; 0: min(episodes, 8)."""
+    """Envs played in parallel; 0: min(episodes, MAX_ENVS = 8)."""
     sample: bool = False
     """Sample actions from the policy instead of taking the most likely one."""
     seed: int = 1_000_003
@@ -150,6 +152,18 @@ class VideoWriter:
             self._writer = None
 
 
+def _key(params: Any, seed: int) -> Any:
+    """A PRNG key placed as the keys the policy returns will be: on the parameters' device
+    when they are committed to one, so that every step runs one compiled program."""
+    import jax
+
+    key = jax.random.key(seed)
+    leaf = jax.tree.leaves(params)[0]
+    if isinstance(leaf, jax.Array) and leaf.committed:
+        key = jax.device_put(key, leaf.sharding)
+    return key
+
+
 class Player:
     """Plays episodes of a network's policy on a vector env: its most likely actions, or
     actions sampled from it. seedrl-eval plays a checkpoint with it; the learner, its
@@ -163,6 +177,7 @@ class Player:
         self._spec = spec
         self._lstm_size = lstm_size
         self.policy = "sample" if sample else "greedy"
+        """What `play` does: "greedy" (most likely actions) or "sample"."""
 
         @jax.jit
         def act(
@@ -190,9 +205,7 @@ class Player:
         observations = np.zeros((num_envs, *model.shape), model.np_dtype)
         first = np.ones(num_envs, np.bool_)
         state = self._network.initial_state(num_envs) if self._lstm_size else None
-        # Twice, as a play calls it: first with a new key, then with the key it returned.
-        _, state, key = self._act(params, observations, first, state, jax.random.key(0))
-        jax.block_until_ready(self._act(params, observations, first, state, key))
+        jax.block_until_ready(self._act(params, observations, first, state, _key(params, 0)))
 
     def play(
         self,
@@ -207,7 +220,6 @@ class Player:
         (each plays its own quota, so short episodes are not over-counted), from a reset.
         With `video`, the first episode of env 0 is recorded. Stops early, with what it has,
         once `cancelled()` says so."""
-        import jax
         import numpy as np
 
         from learner.frame_stack import FrameStacker
@@ -219,7 +231,7 @@ class Player:
         steps = np.zeros(num_envs, np.int64)
         returns: list[float] = []
         lengths: list[int] = []
-        key = jax.random.key(seed)
+        key = _key(params, seed)
         stacker = FrameStacker(self._spec, num_envs)  # the learner's frame stacking, if any
         state = self._network.initial_state(num_envs) if self._lstm_size else None
         step = env.reset()
@@ -263,7 +275,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
 
     run = _run_config(config.run_dir)
     env_id = run["env"]
-    num_envs = config.num_envs or min(config.episodes, 8)
+    num_envs = config.num_envs or min(config.episodes, MAX_ENVS)
     num_envs = min(num_envs, config.episodes)
     options: dict[str, Any] = {}
     if config.video:
@@ -299,9 +311,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
         video = VideoWriter(config.video, fps)
     started = time.perf_counter()
     try:
-        returns, lengths = Player(network, spec, lstm_size, config.sample).play(
-            env, params, config.episodes, config.seed, video
-        )
+        player = Player(network, spec, lstm_size, config.sample)
+        returns, lengths = player.play(env, params, config.episodes, config.seed, video)
     finally:
         env.close()
         if video is not None:
@@ -310,7 +321,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
         env=env_id,
         checkpoint_updates=int(meta.get("updates", -1)),
         checkpoint_env_steps=meta.get("env_steps"),
-        policy="sample" if config.sample else "greedy",
+        policy=player.policy,
         returns=returns,
         lengths=lengths,
         seconds=time.perf_counter() - started,

@@ -480,7 +480,7 @@ class Learner:
         """Why training is complete, or "" while it is not."""
         if self.trainer.agreed_stop.is_set():
             return "the learner processes agreed to stop"
-        env_steps, _ = self.stats.progress()
+        env_steps = self.stats.counters()["env_steps"]
         # Each of N learner processes counts its own actors' steps: 1/N of the total each.
         env_steps *= self.placement.process_count
         if env_steps >= self.config.total_env_steps:
@@ -496,11 +496,12 @@ class Learner:
         if target is None:
             return ""
         _, returns = self.stats.progress()
+        fleet_mean = sum(returns) / len(returns) if len(returns) >= RETURN_WINDOW else None
         reached = ""
-        if len(returns) >= RETURN_WINDOW and sum(returns) / len(returns) >= target:
+        if fleet_mean is not None and fleet_mean >= target:
             reached = (
-                f"mean return {sum(returns) / len(returns):.2f} of the last {len(returns)} "
-                f"episodes reached {target:g}"
+                f"mean return {fleet_mean:.2f} of the last {len(returns)} episodes reached "
+                f"{target:g}"
             )
         check = self._stop_check
         if check is None:

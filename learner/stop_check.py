@@ -14,9 +14,7 @@ import threading
 from typing import Any
 
 from envs import registry
-from learner.evaluate import Player
-
-MAX_ENVS = 8  # envs played in parallel, as seedrl-eval's default
+from learner.evaluate import MAX_ENVS, Player
 
 
 class StopCheck:
@@ -31,8 +29,7 @@ class StopCheck:
         self._player = Player(network, self._env.spec, lstm_size, sample=False)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "stop-check")
         self._cancelled = threading.Event()
-        self._playing: concurrent.futures.Future | None = None
-        self._version = 0
+        self._playing: concurrent.futures.Future | None = None  # of (update, returns)
         self._next_at = 0
 
     def warm_up(self, params: Any) -> None:
@@ -45,8 +42,7 @@ class StopCheck:
 
     def start(self, params: Any, version: int) -> None:
         """Starts playing `params` (of update `version`)."""
-        self._version = version
-        self._playing = self._executor.submit(self.play, params)
+        self._playing = self._executor.submit(lambda: (version, self.play(params)))
 
     def play(self, params: Any) -> list[float]:
         """The returns of the episodes played (fewer if closed meanwhile)."""
@@ -61,7 +57,7 @@ class StopCheck:
         if self._playing is None or not self._playing.done():
             return None
         playing, self._playing = self._playing, None
-        return self._version, playing.result()
+        return playing.result()
 
     def wait(self, timeout_s: float) -> None:
         """Blocks until the check playing now (if any) has finished."""
