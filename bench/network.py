@@ -80,7 +80,10 @@ class _Jax:
         self.params = self.network.init(
             jax.random.key(0), np.zeros((1, *OBSERVATION_SHAPE), np.uint8)
         )
-        self.policy_fn = learning.make_policy_fn(self.network.apply)
+        # As the learner builds it for a CPU: large batches run in chunks (learning.py).
+        self.policy_fn = learning.make_policy_fn(
+            self.network.apply, learning.policy_temp_budget(jax.devices()[0])
+        )
 
     def forward(self, observations: np.ndarray) -> Timed:
         device_observations = jax.device_put(observations)

@@ -165,6 +165,11 @@ class InferenceLoop:
             self._deliver(batch, [STOPPED] * len(batch))
 
     @property
+    def policy_fn(self) -> Callable:
+        """The jitted policy inference runs (to inspect its compiled programs)."""
+        return self._policy_fn
+
+    @property
     def rng_key(self) -> jax.Array:
         """The sampling key as it stands (for checkpoints)."""
         return self._key

@@ -190,12 +190,13 @@ class Learner:
             auth_token=security.resolve_token(config.auth_token),
             idle_timeout_s=config.stream_idle_timeout_s,
         )
+        temp_budget = learning.policy_temp_budget(self.placement.inference_device)
         self.inference = InferenceLoop(
             policy_fn=policy_fn
             or (
-                learning.make_recurrent_policy_fn(network.apply)
+                learning.make_recurrent_policy_fn(network.apply, temp_budget)
                 if config.lstm_size
-                else learning.make_policy_fn(network.apply)
+                else learning.make_policy_fn(network.apply, temp_budget)
             ),
             core_state_shape=core_state_shape(config.lstm_size) if config.lstm_size else None,
             device=self.placement.inference_device,

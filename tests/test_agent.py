@@ -176,6 +176,73 @@ def test_networks_give_logits_and_values(name, observation):
     assert not np.array_equal(jax.random.key_data(next_key), jax.random.key_data(key))
 
 
+def traced_rows(apply_fn, seen: list[int]):
+    """apply_fn, recording the rows of every call traced through it."""
+
+    def apply(params, observations, *rest):
+        seen.append(observations.shape[0])
+        return apply_fn(params, observations, *rest)
+
+    return apply
+
+
+def test_a_batch_over_the_temporaries_budget_runs_in_chunks_with_the_same_result():
+    """On a CPU the learner's policy keeps each network call's scratch memory within a
+    budget (learning.CPU_CALL_TEMP_BYTES): over it, the network runs on chunks of a
+    power of two rows, and a rest, and samples the same actions with the same
+    log-probabilities as the batch run whole."""
+    network = make_network("nature_cnn", num_actions=6)
+    observations = np.random.default_rng(0).integers(0, 256, (5, 4, 84, 84), np.uint8)
+    params = network.init(jax.random.key(0), observations[:1])
+    whole_rows, chunk_rows = [], []
+    whole = learning.make_policy_fn(traced_rows(network.apply, whole_rows))
+    one_row = whole.lower(params, observations[:1], jax.random.key(0)).compile()
+    per_row = one_row.memory_analysis().temp_size_in_bytes
+    budget = int(2.5 * per_row)  # room for 2 rows: chunks of 2, 2 and a rest of 1
+    chunked = learning.make_policy_fn(traced_rows(network.apply, chunk_rows), budget)
+    key = jax.random.key(3)
+    expected, _ = whole(params, observations, key)
+    got, _ = chunked(params, observations, key)
+    np.testing.assert_array_equal(got.actions, expected.actions)
+    np.testing.assert_allclose(got.log_probs, expected.log_probs, rtol=1e-6)
+    assert whole_rows[-1] == 5
+    assert sorted(set(chunk_rows)) == [1, 2]  # the one-row estimate, the chunks, the rest
+    temps = [
+        fn.lower(params, observations, key).compile().memory_analysis().temp_size_in_bytes
+        for fn in (whole, chunked)
+    ]
+    assert temps[1] < 0.7 * temps[0], temps
+    # Within the budget, or with none: the batch runs whole.
+    within_rows: list[int] = []
+    within = learning.make_policy_fn(traced_rows(network.apply, within_rows), 5 * per_row)
+    within(params, observations, key)
+    assert within_rows[-1] == 5
+
+
+def test_the_learner_on_a_cpu_serves_a_large_batch_within_the_budget(tmp_path):
+    """The learner builds its policy with its inference device's budget: Pong's batch
+    of 256 (40 MiB of temporaries whole) compiles to a program within it."""
+    from learner.learner import Learner
+    from tests.fleet import learner_config
+
+    learner = Learner(learner_config("atari:Pong", tmp_path / "run", inference_batch_size=256))
+    params, _ = learner.parameters.latest()
+    observations = np.zeros((256, 4, 84, 84), np.uint8)
+    program = learner.inference.policy_fn.lower(params, observations, jax.random.key(0))
+    temp = program.compile().memory_analysis().temp_size_in_bytes
+    assert temp <= learning.CPU_CALL_TEMP_BYTES, temp / 2**20
+
+
+def test_the_temporaries_budget_is_a_cpus_only():
+    class Device:
+        def __init__(self, platform: str) -> None:
+            self.platform = platform
+
+    assert learning.policy_temp_budget(jax.devices("cpu")[0]) == learning.CPU_CALL_TEMP_BYTES
+    assert learning.policy_temp_budget(Device("gpu")) is None
+    assert learning.policy_temp_budget(Device("tpu")) is None
+
+
 def test_unknown_network_is_refused():
     with pytest.raises(ValueError, match="unknown network"):
         make_network("transformer", 2)  # type: ignore[arg-type]

@@ -51,10 +51,12 @@ def test_the_memory_env_asks_for_the_cue_after_the_delay():
 # -- the core on the device ---------------------------------------------------------------
 
 
-def test_each_slot_keeps_its_own_core_state_across_batches():
+@pytest.mark.parametrize("max_temp_bytes", [None, 1], ids=["whole", "row by row"])
+def test_each_slot_keeps_its_own_core_state_across_batches(max_temp_bytes):
     """Rows of interleaved batches in any order read and write their own slot's state:
     the actions' log-probabilities equal those of the network run on each env's sequence
-    alone, and padding rows change nothing."""
+    alone, and padding rows change nothing; also with the network run a row at a time
+    (a temporaries budget of one byte)."""
     network = make_network("mlp", 2, (8,), lstm_size=8)
     rng = np.random.default_rng(0)
     steps, envs, capacity = 6, 5, 8
@@ -64,7 +66,13 @@ def test_each_slot_keeps_its_own_core_state_across_batches():
     params = network.init(
         jax.random.key(0), observations[:1], first[:1], network.initial_state(envs)
     )
-    policy = learning.make_recurrent_policy_fn(network.apply)
+    rows_traced: list[int] = []
+
+    def apply(params, observations, *rest):
+        rows_traced.append(observations.shape[1])
+        return network.apply(params, observations, *rest)
+
+    policy = learning.make_recurrent_policy_fn(apply, max_temp_bytes)
     states = np.zeros((capacity, 2, 8), np.float32)
     starts = np.zeros_like(states)
     slots = np.array([6, 1, 3, 0, 4], np.int32)  # env e lives in slot slots[e]
@@ -91,6 +99,7 @@ def test_each_slot_keeps_its_own_core_state_across_batches():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     unused = [slot for slot in range(capacity) if slot not in slots]
     assert not np.asarray(states)[unused].any()  # padding rows wrote nowhere
+    assert set(rows_traced) == ({8} if max_temp_bytes is None else {1})
 
 
 def test_unrolls_carry_the_state_inference_started_them_from(tmp_path):

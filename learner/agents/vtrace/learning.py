@@ -237,19 +237,91 @@ class PolicyStep(NamedTuple):
     """float32 [N]: log-probability of each chosen action."""
 
 
+CPU_CALL_TEMP_BYTES = 24 << 20
+"""On a CPU, the most scratch memory one network call of the policy may take.
+
+XLA:CPU allocates a program's temporaries afresh on every call, in one block.
+glibc serves blocks above its mmap ceiling (32 MiB on 64-bit) with mmap and
+returns them on free, so every call faults the whole block in again: at 256
+rows of the Nature CNN (40 MiB) 10,300 page faults and a third of the call.
+Run in chunks whose temporaries stay below the ceiling, the heap keeps reusing
+one block (docs/benchmarks.md, case e). GPUs and TPUs keep their own pools and
+run a batch whole."""
+
+
+def policy_temp_budget(device: jax.Device) -> int | None:
+    """The temporaries budget of one policy call on `device`: None runs batches whole."""
+    return CPU_CALL_TEMP_BYTES if device.platform == "cpu" else None
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _rows_per_call(
+    fn: Callable, params: Params, rows: tuple[jax.Array, ...], budget: int | None, cache: dict
+) -> int:
+    """The most rows, a power of two or all of them, whose call of `fn` keeps XLA's
+    temporaries within `budget` bytes (no budget: all), estimated from one row's
+    program (a network's temporaries grow with its rows). Called while tracing;
+    the one-row program is compiled once per parameter and row shape."""
+    count = rows[0].shape[0]
+    if budget is None:
+        return count
+    one_row = tuple(jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype) for x in rows)
+    key = (jax.tree.structure(params), tuple(jax.tree.leaves(jax.tree.map(_spec, params))), one_row)
+    if key not in cache:
+        analysis = (
+            jax.jit(fn).lower(jax.tree.map(_spec, params), *one_row).compile().memory_analysis()
+        )
+        cache[key] = None if analysis is None else analysis.temp_size_in_bytes
+    per_row = cache[key]
+    if not per_row or count * per_row <= budget:
+        return count
+    chunk = 1
+    while chunk * 2 * per_row <= budget:
+        chunk *= 2
+    return chunk
+
+
+def _in_chunks(fn: Callable, params: Params, rows: tuple[jax.Array, ...], chunk: int) -> Any:
+    """fn(params, *rows), every input and output batched on axis 0, run `chunk` rows
+    at a time: the whole chunks in one loop (lax.map), any rest in one more call."""
+    count = rows[0].shape[0]
+    if chunk >= count:
+        return fn(params, *rows)
+    whole = count - count % chunk
+    stacked = tuple(x[:whole].reshape(whole // chunk, chunk, *x.shape[1:]) for x in rows)
+    out = jax.lax.map(lambda xs: fn(params, *xs), stacked)
+    out = jax.tree.map(lambda y: y.reshape(whole, *y.shape[2:]), out)
+    if whole == count:
+        return out
+    rest = fn(params, *(x[whole:] for x in rows))
+    return jax.tree.map(lambda head, tail: jnp.concatenate([head, tail]), out, rest)
+
+
 def make_policy_fn(
-    apply_fn: ApplyFn,
+    apply_fn: ApplyFn, max_temp_bytes: int | None = None
 ) -> Callable[[Params, jax.Array, jax.Array], tuple[PolicyStep, jax.Array]]:
     """Jitted sampling: (params, observations [N, ...], key) -> (PolicyStep, next key).
 
-    The key is split inside the program, so it never leaves the device.
+    The key is split inside the program, so it never leaves the device. With
+    `max_temp_bytes` (`policy_temp_budget`), a batch whose network call would take
+    more scratch memory runs the network on chunks of rows that do not; the
+    results are the same rows either way.
     """
+    cache: dict = {}
+
+    def logits(params: Params, observations: jax.Array) -> jax.Array:
+        return apply_fn(params, observations).logits
 
     def policy(
         params: Params, observations: jax.Array, key: jax.Array
     ) -> tuple[PolicyStep, jax.Array]:
         key, sample_key = jax.random.split(key)
-        return _sample(apply_fn(params, observations).logits, sample_key), key
+        rows = (observations,)
+        chunk = _rows_per_call(logits, params, rows, max_temp_bytes, cache)
+        return _sample(_in_chunks(logits, params, rows, chunk), sample_key), key
 
     return jax.jit(policy)
 
@@ -272,7 +344,9 @@ class RecurrentPolicyStep(NamedTuple):
     """[N, 2, size]: per row, the start state of the unroll that row's step completes."""
 
 
-def make_recurrent_policy_fn(apply_fn: Callable) -> Callable[..., RecurrentPolicyStep]:
+def make_recurrent_policy_fn(
+    apply_fn: Callable, max_temp_bytes: int | None = None
+) -> Callable[..., RecurrentPolicyStep]:
     """Jitted sampling for a recurrent agent, with every env's core state on the device.
 
     (params, observations [N, ...], first bool [N], slots int32 [N], at_start bool [N],
@@ -281,15 +355,23 @@ def make_recurrent_policy_fn(apply_fn: Callable) -> Callable[..., RecurrentPolic
     writes nothing. Where `at_start` (the row's observation is step 0 of an unroll),
     the state it read becomes the slot's unroll start, and the previous one is
     returned in `finished_starts` for the unroll that step completes. `states` and
-    `starts` are donated: updated in place.
+    `starts` are donated: updated in place. `max_temp_bytes` as for
+    `make_policy_fn`: rows are independent, so the network may run on chunks of them.
     """
+    cache: dict = {}
+
+    def core(params, observations, first, state_in):
+        output, state_out = apply_fn(params, observations[None], first[None], state_in)
+        return output.logits[0], state_out
 
     def policy(params, observations, first, slots, at_start, states, starts, key):
         key, sample_key = jax.random.split(key)
         state_in = states.at[slots].get(mode="fill", fill_value=0.0)
         finished_starts = starts.at[slots].get(mode="fill", fill_value=0.0)
-        output, state_out = apply_fn(params, observations[None], first[None], state_in)
-        step = _sample(output.logits[0], sample_key)
+        rows = (observations, first, state_in)
+        chunk = _rows_per_call(core, params, rows, max_temp_bytes, cache)
+        logits, state_out = _in_chunks(core, params, rows, chunk)
+        step = _sample(logits, sample_key)
         states = states.at[slots].set(state_out, mode="drop")
         new_starts = jnp.where(at_start[:, None, None], state_in, finished_starts)
         starts = starts.at[slots].set(new_starts, mode="drop")
