@@ -285,19 +285,33 @@ def _rows_per_call(
 
 
 def _in_chunks(fn: Callable, params: Params, rows: tuple[jax.Array, ...], chunk: int) -> Any:
-    """fn(params, *rows), every input and output batched on axis 0, run `chunk` rows
-    at a time: the whole chunks in one loop (lax.map), any rest in one more call."""
+    """fn(params, *rows), every input and output batched on axis 0, run on at most
+    `chunk` rows at a time in one loop (lax.map).
+
+    The rows are cut in equal chunks, each read in place (a dynamic slice, no
+    copy of the batch); where they do not divide evenly the last chunk starts
+    early, overlapping the one before, and its repeated rows are dropped. So
+    every call, the last included, is one program of one size, and the
+    temporaries stay those of one chunk.
+    """
     count = rows[0].shape[0]
     if chunk >= count:
         return fn(params, *rows)
-    whole = count - count % chunk
-    stacked = tuple(x[:whole].reshape(whole // chunk, chunk, *x.shape[1:]) for x in rows)
-    out = jax.lax.map(lambda xs: fn(params, *xs), stacked)
-    out = jax.tree.map(lambda y: y.reshape(whole, *y.shape[2:]), out)
-    if whole == count:
-        return out
-    rest = fn(params, *(x[whole:] for x in rows))
-    return jax.tree.map(lambda head, tail: jnp.concatenate([head, tail]), out, rest)
+    calls = -(-count // chunk)
+    size = -(-count // calls)
+
+    def call(index: jax.Array) -> Any:
+        start = jnp.minimum(index * size, count - size)
+        return fn(params, *(jax.lax.dynamic_slice_in_dim(x, start, size) for x in rows))
+
+    out = jax.lax.map(call, jnp.arange(calls))
+    repeated = calls * size - count  # rows the last chunk shares with the one before
+
+    def unstack(y: jax.Array) -> jax.Array:
+        head = y[:-1].reshape((calls - 1) * size, *y.shape[2:])
+        return jnp.concatenate([head, y[-1, repeated:]])
+
+    return jax.tree.map(unstack, out)
 
 
 def make_policy_fn(
