@@ -49,8 +49,9 @@ class LearnerConfig:
     stop_eval_episodes: int = 0
     """With --stop-at-return: once the 100-episode mean reaches it, the learner also plays
     this many episodes greedily with its current parameters, on envs of its own, and stops
-    only if their mean reaches it too; if not, it trains on and asks again after its actors
-    have played as many episodes more. 0: the 100-episode mean alone decides."""
+    only if their mean reaches it too (the run then ends with the state it played, as its
+    last checkpoint); if not, it trains on and asks again after its actors have played as
+    many episodes more. 0: the 100-episode mean alone decides."""
 
     # -- inference -----------------------------------------------------------
     inference_batch_size: int = 64

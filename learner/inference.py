@@ -55,16 +55,24 @@ def padded_sizes(max_batch: int) -> list[int]:
 class ParameterSource:
     """The newest parameters and their version; the trainer publishes, inference reads.
 
-    Publishing swaps one tuple, so a reader always sees a matching pair.
+    With them the trainer may publish the whole training state they are the
+    parameters of (the stop's check keeps it, so that a run stopping on a passing
+    check ends with exactly that state). Publishing swaps one tuple, so a reader
+    always sees a matching set.
     """
 
-    def __init__(self, params: Any, version: int = 0):
-        self._latest = (params, version)
+    def __init__(self, params: Any, version: int = 0, state: Any = None):
+        self._latest = (params, version, state)
 
-    def publish(self, params: Any, version: int) -> None:
-        self._latest = (params, version)
+    def publish(self, params: Any, version: int, state: Any = None) -> None:
+        self._latest = (params, version, state)
 
     def latest(self) -> tuple[Any, int]:
+        params, version, _ = self._latest
+        return params, version
+
+    def latest_with_state(self) -> tuple[Any, int, Any]:
+        """(params, version, the training state they came from, or None)."""
         return self._latest
 
     @property

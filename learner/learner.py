@@ -169,7 +169,9 @@ class Learner:
             state = multihost_utils.broadcast_one_to_all(state)
             updates = int(state.updates)
         state = self.placement.put_state(state)
-        self.parameters = ParameterSource(self.placement.local_copy(state.params), version=updates)
+        self.parameters = ParameterSource(
+            self.placement.local_copy(state.params), version=updates, state=state
+        )
         self.unrolls: queue.Queue = queue.Queue(maxsize=config.unroll_queue_size)
         self.store = UnrollStore(
             config.unroll_length,
@@ -243,6 +245,10 @@ class Learner:
             if config.stop_eval_episodes
             else None
         )
+        # The training state whose parameters the check playing now plays, and the one a
+        # passing check stopped the run with (its last state; see _shutdown).
+        self._checking: learning.TrainState | None = None
+        self._checked: learning.TrainState | None = None
         self.telemetry = Telemetry(
             run_dir=self.run_dir,
             stats=self.stats,
@@ -522,6 +528,7 @@ class Learner:
                 f"averaged {mean:.2f}"
             )
             if reached and mean >= target:
+                self._checked = self._checking
                 return f"{reached}, and {verdict}"
             check.fell_short(episodes)
             logger.info(
@@ -532,7 +539,8 @@ class Learner:
                 else f"but the fleet's 100-episode mean fell back below {target:g}",
             )
         elif reached and check.may_start(episodes):
-            check.start(*self.parameters.latest())
+            params, version, self._checking = self.parameters.latest_with_state()
+            check.start(params, version)
         return ""
 
     async def _shutdown(self, server: grpc.aio.Server, finished: bool) -> None:
@@ -541,6 +549,8 @@ class Learner:
         self.service.stop_serving(finished)
         self.telemetry.serving = False
         await asyncio.to_thread(self.trainer.stop)
+        if self._checked is not None:
+            await asyncio.to_thread(self._end_with_checked, self._checked)
         # Bit-identical on every learner process of a multi-host run: the logs can say so.
         state = self.trainer.state
         logger.info(
@@ -553,6 +563,30 @@ class Learner:
         await asyncio.to_thread(self.trainer.save_checkpoint)
         await asyncio.to_thread(self.trainer.close_checkpoints)
         await server.stop(grace=2.0 if finished else 0.5)
+
+    def _end_with_checked(self, checked: learning.TrainState) -> None:
+        """A run stopped by a passing check ends with the state it checked: training went
+        on while the check played, and those updates, never checked, are dropped (with
+        any checkpoint of them), so the final checkpoint holds the policy that passed."""
+        checked_updates, trained = int(checked.updates), int(self.trainer.state.updates)
+        if checked_updates == trained:
+            return
+        if self.trainer.coordinated:
+            # Every process must end with the same state, and they agreed on this one.
+            logger.warning(
+                "the learner processes agreed to stop after update %d; the check passed "
+                "update %d, whose state this process alone cannot go back to",
+                trained,
+                checked_updates,
+            )
+            return
+        self.trainer.roll_back(checked)
+        logger.info(
+            "the run ends with the checked state of update %d: the %d updates trained "
+            "while the check played are dropped",
+            checked_updates,
+            trained - checked_updates,
+        )
 
     def stop(self) -> None:
         """Asks a running learner to stop (thread-safe); nothing once it has ended."""

@@ -205,6 +205,14 @@ class Trainer:
                 "is checkpointed. Lower --learning-rate or check the inputs."
             )
 
+    def roll_back(self, state: TrainState) -> None:
+        """Makes `state`, of an earlier update, the trainer's (once it has stopped), and
+        discards any checkpoint of a later update, so the run's newest checkpoint is
+        the next one saved."""
+        self.state = state
+        if self._checkpointer is not None:
+            self._checkpointer.discard_after(int(state.updates))
+
     def close_checkpoints(self) -> None:
         """Waits for checkpoints being written (call once the trainer has stopped)."""
         if self._checkpointer is not None:
@@ -222,7 +230,9 @@ class Trainer:
             return
         self._nonfinite_in_a_row = 0
         new_version = version + 1
-        self._parameters.publish(self._placement.local_copy(self.state.params), new_version)
+        self._parameters.publish(
+            self._placement.local_copy(self.state.params), new_version, self.state
+        )
         metrics["learning_rate"] = float(self._learning_rate(version))
         # Lag: updates between the parameters that acted and those that learnt from it.
         lag = version - versions[:-1]

@@ -117,6 +117,8 @@ def test_cartpole_is_solved_within_500k_env_steps(tmp_path):
     print(f"seedrl-eval: mean {result['mean']} std {result['std']} over 20 episodes")
     assert result["episodes"] == 20 and len(result["returns"]) == 20
     assert result["mean"] >= 450, result
+    # ... being the policy the learner's check passed: the run ended with its state.
+    assert result["checkpoint_updates"] == int(check.group(1)), result
 
 
 def test_an_untrained_agent_evaluates_far_lower(tmp_path):

@@ -12,10 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from learner import checkpoint
+from learner.agents.vtrace import learning
 from learner.config import preset_for
 from learner.learner import Learner
+from tests.fleet import wait_until
 
 ENV = "classic:CartPole-v1"
 
@@ -95,6 +101,46 @@ def test_a_policy_that_reaches_the_target_greedily_stops_the_run(make_learner):
         "mean return 10.00 of the last 100 episodes reached 5, and "
         f"4 greedy episodes of the parameters of update 0 averaged {played:.2f}"
     )
+
+
+def trained_to(learner: Learner, updates: int) -> learning.TrainState:
+    """Stands in for the trainer reaching `updates`: a state of that update (parameters
+    moved by it) made the trainer's and published, as the trainer's thread does."""
+    state = learner.trainer.state
+    moved = learning.TrainState(
+        jax.tree.map(lambda x: x + updates, state.params), state.opt_state, jnp.int32(updates)
+    )
+    learner.trainer.state = moved
+    learner.parameters.publish(moved.params, updates, moved)
+    return moved
+
+
+def test_a_passing_check_ends_the_run_with_the_state_it_checked(make_learner, caplog):
+    """Training goes on while a check plays; a run stopped by the check ends with the
+    state the check played, and a checkpoint of a later update is discarded, so the
+    run's newest checkpoint is the policy that passed."""
+    caplog.set_level(logging.INFO, logger="learner.learner")
+    learner = make_learner(target=5, episodes=4)
+    checked = trained_to(learner, 3)
+    fleet_played(learner, 100, 10.0)
+    assert ask(learner) == ""  # the check starts on update 3
+    trained_to(learner, 8)  # ... and training goes on, with a checkpoint of update 8
+    learner.trainer.save_checkpoint()
+    wait_until(lambda: checkpoint.available(learner.run_dir) == [8], 60, "update 8's checkpoint")
+    assert "parameters of update 3 averaged" in ask(learner)
+    learner._end_with_checked(learner._checked)  # as the learner's shutdown does
+    assert caplog.messages[-1] == (
+        "the run ends with the checked state of update 3: the 5 updates trained while "
+        "the check played are dropped"
+    )
+    assert learner.trainer.state is checked
+    assert checkpoint.available(learner.run_dir) == []
+    learner.trainer.save_checkpoint()  # the final save, as at every stop
+    learner.trainer.close_checkpoints()
+    assert checkpoint.available(learner.run_dir) == [3]
+    params, _ = checkpoint.load_params(learner.run_dir, checked.params)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(checked.params), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_check_that_passes_after_the_fleets_mean_fell_back_does_not_stop(make_learner, caplog):
