@@ -531,6 +531,7 @@ class Learner:
                 self._checked = self._checking
                 return f"{reached}, and {verdict}"
             check.fell_short(episodes)
+            self._checking = None
             logger.info(
                 "%s, %s: training on",
                 verdict,
