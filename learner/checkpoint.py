@@ -99,15 +99,16 @@ class Checkpointer:
         self._empty_trash()
         return True
 
-    def discard_after(self, updates: int) -> list[int]:
+    def discard_after(self, updates: int) -> None:
         """Deletes the checkpoints of later updates than `updates` (once the save in
-        flight is complete), each by one rename as orbax deletes; the updates deleted."""
+        flight is complete), each by one rename as orbax deletes."""
         self._manager.wait_until_finished()
         later = [step for step in self._manager.all_steps() if step > updates]
         for step in later:
             self._manager.delete(step)
         self._empty_trash()
-        return later
+        if later:
+            logger.info("checkpoints of updates %s after update %d deleted", later, updates)
 
     def close(self) -> None:
         """Waits for the save in flight to be complete on disk."""

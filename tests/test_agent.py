@@ -176,11 +176,12 @@ def test_networks_give_logits_and_values(name, observation):
     assert not np.array_equal(jax.random.key_data(next_key), jax.random.key_data(key))
 
 
-def traced_rows(apply_fn, seen: list[int]):
-    """apply_fn, recording the rows of every call traced through it."""
+def traced_rows(apply_fn, seen: list[int], axis: int = 0):
+    """apply_fn, recording the rows (the observations' `axis`) of every call traced
+    through it."""
 
     def apply(params, observations, *rest):
-        seen.append(observations.shape[0])
+        seen.append(observations.shape[axis])
         return apply_fn(params, observations, *rest)
 
     return apply
@@ -236,7 +237,7 @@ def test_the_learner_on_a_cpu_serves_every_batch_size_within_the_budget(tmp_path
         assert temp <= learning.CPU_CALL_TEMP_BYTES, (size, temp / 2**20)
 
 
-def test_the_temporaries_budget_is_a_cpus_only():
+def test_the_temporaries_budget_is_for_cpus_only():
     class Device:
         def __init__(self, platform: str) -> None:
             self.platform = platform

@@ -22,6 +22,7 @@ from tests.fleet import (
     train_to_the_end,
     wait_until,
 )
+from tests.test_agent import traced_rows
 
 # -- the memory env ---------------------------------------------------------------------
 
@@ -67,11 +68,7 @@ def test_each_slot_keeps_its_own_core_state_across_batches(max_temp_bytes):
         jax.random.key(0), observations[:1], first[:1], network.initial_state(envs)
     )
     rows_traced: list[int] = []
-
-    def apply(params, observations, *rest):
-        rows_traced.append(observations.shape[1])
-        return network.apply(params, observations, *rest)
-
+    apply = traced_rows(network.apply, rows_traced, axis=1)  # observations are [T=1, N, ...]
     policy = learning.make_recurrent_policy_fn(apply, max_temp_bytes)
     states = np.zeros((capacity, 2, 8), np.float32)
     starts = np.zeros_like(states)
