@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from learner.host_arrays import aligned_zeros
 from seedrl.specs import EnvSpec
 
 
@@ -58,7 +59,7 @@ class FrameStacker:
     def __init__(self, spec: EnvSpec, num_envs: int):
         self._stack = spec.frame_stack
         model = spec.model_observation
-        self._frames = np.zeros((num_envs, *model.shape), model.np_dtype)
+        self._frames = aligned_zeros((num_envs, *model.shape), model.np_dtype)
         self._channels = spec.observation.shape[0] if spec.frame_stack > 1 else 0
 
     def __call__(self, observations: np.ndarray, first: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from learner.batcher import DynamicBatcher, InferenceRequest
+from learner.host_arrays import aligned_zeros
 from learner.stats import LearnerStats
 from learner.unroll_store import UnrollStore
 from seedrl.codec import EnvStep, encode_actions_message
@@ -112,14 +113,19 @@ class InferenceLoop:
         self._stats = stats
         self._key = rng_key
         self._sizes = padded_sizes(batcher.max_batch_envs)
+        # Aligned, so that a CPU's policy reads them in place (learner/host_arrays.py).
         self._buffers = {
-            size: np.zeros((size, *model_observation.shape), model_observation.np_dtype)
+            size: aligned_zeros((size, *model_observation.shape), model_observation.np_dtype)
             for size in self._sizes
         }
         self._core_shape = core_state_shape
         if core_state_shape is not None:
             self._flags = {
-                size: (np.zeros(size, np.bool_), np.zeros(size, np.bool_), np.zeros(size, np.int32))
+                size: (
+                    aligned_zeros(size, np.bool_),
+                    aligned_zeros(size, np.bool_),
+                    aligned_zeros(size, np.int32),
+                )
                 for size in self._sizes
             }
             self._states = self._starts = None

@@ -16,6 +16,7 @@ from learner.agents.vtrace.learning import TrainState, Trajectories
 from learner.checkpoint import Checkpointer
 from learner.devices import Placement
 from learner.frame_stack import frame_indices
+from learner.host_arrays import aligned_empty
 from learner.inference import ParameterSource
 from learner.stats import LearnerStats
 from learner.unroll_store import Unroll
@@ -31,7 +32,11 @@ def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
     """
 
     def stack(field: str) -> np.ndarray:
-        return np.stack([getattr(unroll, field) for unroll in unrolls], axis=1)
+        arrays = [getattr(unroll, field) for unroll in unrolls]
+        first = arrays[0]
+        # Aligned, so that a CPU's update reads the batch in place (learner/host_arrays.py).
+        out = aligned_empty((first.shape[0], len(arrays), *first.shape[1:]), first.dtype)
+        return np.stack(arrays, axis=1, out=out)
 
     frame_stack = len(unrolls[0].observations) - len(unrolls[0].actions) + 1
     recurrent = unrolls[0].core_state is not None

@@ -294,3 +294,13 @@ def test_the_uniform_policy_draws_every_action_evenly_and_moves_its_key_on():
     np.testing.assert_allclose(step.log_probs, -np.log(6), rtol=1e-6)
     again, _ = policy({}, observations, key)
     assert (np.asarray(again.actions) != np.asarray(step.actions)).mean() > 0.7
+
+
+def test_the_uniform_policy_takes_the_observations_to_the_device():
+    """As a real policy does: its program has the batch as an input, though it reads only
+    the batch's size (jit would otherwise drop it, and serving benchmarks on an accelerator
+    would leave out the transfer)."""
+    policy = learning.make_uniform_policy_fn(6)
+    lowered = policy.lower({}, np.zeros((64, 4, 84, 84), np.uint8), jax.random.key(0))
+    main = next(line for line in lowered.as_text().splitlines() if "@main(" in line)
+    assert "tensor<64x4x84x84xui8>" in main, main

@@ -400,7 +400,8 @@ def make_uniform_policy_fn(
     """A policy with no network compute: uniform random actions (serving benchmarks).
 
     Same signature and outputs as `make_policy_fn`'s, so the learner serves it
-    unchanged; the observations still reach the device, as a real policy's do.
+    unchanged; the observations still reach the device, as a real policy's do (jit
+    would drop an argument the program does not read, and with it the transfer).
     """
     log_prob = -float(np.log(num_actions))
 
@@ -415,4 +416,4 @@ def make_uniform_policy_fn(
         actions = (bits % num_actions).astype(jnp.int32)
         return PolicyStep(actions, jnp.full(actions.shape, log_prob, jnp.float32)), key
 
-    return jax.jit(policy)
+    return jax.jit(policy, keep_unused=True)
