@@ -222,3 +222,16 @@ def test_pausable_envs_end_when_the_benchmark_is_killed():
     except AssertionError:
         os.kill(pid, signal.SIGKILL)  # not left stepping after the test
         raise
+
+
+def test_the_alignment_probe_times_both_sides_of_every_row(capsys):
+    """bench.aligned, the A/B behind "Batches read in place" (docs/benchmarks.md)."""
+    from bench import aligned
+
+    aligned.main(["--window-s", "0", "--min-rounds", "1", "--batches", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4  # a header, its rule, the policy's row, the training batch's
+    for line in lines[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert len(cells) == 4 and all(float(value) > 0 for value in cells[1:]), line
+    assert lines[2].startswith("| policy, 2 rows |")
