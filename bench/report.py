@@ -65,10 +65,13 @@ def plot_raw_and_end_to_end(path: str, results: dict[str, CaseResult]) -> None:
         for row in result.rows if result else []:
             if row["env"] != env:
                 continue
-            detail = f" G={row['groups']}" if case == "c" else ""
+            # One line each, so that neighbouring labels do not run into each other.
+            lines = [f"({case}) P={row['processes']} K={row['envs_per_process']}"]
+            if case == "c":
+                lines.append(f"G={row['groups']}")
             if row.get("learner_placement") == "own cores":
-                detail += ", learner's own cores"
-            label = f"({case}) P={row['processes']} K={row['envs_per_process']}{detail}"
+                lines.append("learner's own core")
+            label = "\n".join(lines)
             entries.append((label, row["env_frames_per_s"], row.get("raw_env_frames_per_s")))
     if not entries:
         return
