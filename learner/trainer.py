@@ -40,15 +40,16 @@ def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
 
     frame_stack = len(unrolls[0].observations) - len(unrolls[0].actions) + 1
     recurrent = unrolls[0].core_state is not None
+    first = stack("first") if recurrent or frame_stack > 1 else None
     trajectories = Trajectories(
         # The steps' own flags: the last of each step's frames.
-        first=stack("first")[frame_stack - 1 :] if recurrent else None,
+        first=first[frame_stack - 1 :] if recurrent else None,
         # Already on the device: stacked there, [1, B, ...] (the batch on axis 1).
         core_state=jnp.stack([unroll.core_state for unroll in unrolls])[None]
         if recurrent
         else None,
         observations=stack("observations"),
-        frame_index=None if frame_stack == 1 else frame_indices(stack("first"), frame_stack),
+        frame_index=None if frame_stack == 1 else frame_indices(first, frame_stack),
         actions=stack("actions"),
         behaviour_log_probs=stack("behaviour_log_probs"),
         rewards=stack("rewards"),

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from learner.host_arrays import XLA_CPU_ALIGNMENT, aligned_empty, aligned_zeros, is_aligned
+from learner.host_arrays import aligned_empty, aligned_zeros, is_aligned
 from learner.trainer import stack_unrolls
 from learner.unroll_store import UnrollStore
 from seedrl.codec import EnvStep
@@ -38,10 +38,11 @@ def test_aligned_arrays_are_ordinary_numpy_arrays(make, dtype, shape):
 
 def test_xla_on_a_cpu_reads_an_aligned_array_in_place_and_copies_a_misaligned_one():
     """The rule host_arrays.py rests on, checked against the installed jaxlib."""
+    from bench.aligned import sixteen_bytes_off
+
     aligned = aligned_zeros((64, 4, 84, 84), np.uint8)
     assert read_in_place(aligned)
-    storage = aligned_zeros(aligned.nbytes + XLA_CPU_ALIGNMENT, np.uint8)
-    misaligned = storage[16 : 16 + aligned.nbytes].reshape(aligned.shape)
+    misaligned = sixteen_bytes_off(aligned)
     assert not is_aligned(misaligned)
     assert not read_in_place(misaligned)
 
