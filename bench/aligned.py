@@ -18,10 +18,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from bench.network import NUM_ACTIONS, OBSERVATION_SHAPE, _interleaved
-from learner.agents.vtrace import learning
+from bench.network import OBSERVATION_SHAPE, _interleaved, _Jax
+from learner.config import PRESETS
 from learner.host_arrays import XLA_CPU_ALIGNMENT, aligned_zeros, is_aligned
-from learner.networks import make_network
 
 TRAINING_FRAMES = (24, 32, 1, 84, 84)
 """A Pong training batch's frames: T+S = 20+4 steps x B = 32 unrolls."""
@@ -37,14 +36,12 @@ def sixteen_bytes_off(array: np.ndarray) -> np.ndarray:
 
 def measure(batches: Sequence[int], window_s: float, min_rounds: int) -> list[dict]:
     rng = np.random.default_rng(0)
-    network = make_network("nature_cnn", NUM_ACTIONS)
-    params = network.init(jax.random.key(0), np.zeros((1, *OBSERVATION_SHAPE), np.uint8))
-    policy = learning.make_policy_fn(network.apply, learning.policy_temp_budget(jax.devices()[0]))
+    jax_side = _Jax(PRESETS["atari"])  # case (e)'s network and policy, as the learner's
     key = [jax.random.key(1)]
 
     def policy_call(observations: np.ndarray):
         def call() -> None:
-            step, key[0] = policy(params, observations, key[0])
+            step, key[0] = jax_side.policy_fn(jax_side.params, observations, key[0])
             np.asarray(step.actions)  # the inference thread's wait
 
         return call

@@ -11,6 +11,7 @@ from learner.trainer import stack_unrolls
 from learner.unroll_store import UnrollStore
 from seedrl.codec import EnvStep
 from seedrl.specs import TensorSpec
+from tests.test_unroll_store import observe_and_append
 
 CPU = jax.devices("cpu")[0]
 
@@ -66,7 +67,6 @@ def test_the_trainers_batch_is_read_in_place():
     store = UnrollStore(unroll_length=20, observation_spec=frame, initial_slots=32, frame_stack=4)
     slots = store.allocate(owner=1, count=32)
     owners = np.ones(32, np.int64)
-    seen = np.empty((32, 4, 84, 84), np.uint8)
     rng = np.random.default_rng(0)
     unrolls = []
     for _ in range(21):
@@ -76,9 +76,8 @@ def test_the_trainers_batch_is_read_in_place():
             terminated=np.zeros(32, bool),
             truncated=np.zeros(32, bool),
         )
-        store.observe(slots, owners, step.observations, seen)
-        emitted, _ = store.append(
-            slots, owners, step, np.zeros(32, np.int32), np.zeros(32, np.float32), 0
+        emitted, _, _ = observe_and_append(
+            store, slots, owners, step, np.zeros(32, np.int32), np.zeros(32, np.float32), 0
         )
         unrolls.extend(emitted)
     assert len(unrolls) == 32
