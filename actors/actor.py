@@ -29,7 +29,7 @@ import grpc.aio
 from envs import registry
 from envs.base import VectorEnv
 from seedrl import security
-from seedrl.codec import StepCodec, WireError
+from seedrl.codec import CHANGES_MIN_BYTES, StepCodec, WireError, observation_changes_allowed
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION
 from seedrl.transport import (
@@ -76,6 +76,9 @@ class ActorConfig:
     """Stable name of this actor; empty: HOSTNAME-PID."""
     env_threads: int = 1
     """Threads of ale-py's vector env (Atari only); 1 suits one actor process per core."""
+    observation_changes: bool = True
+    """Offer to send each step's observations as what changed since the last step (8-byte
+    words), for observations of 1 KiB or more per env; the learner's welcome accepts."""
     seed: int | None = None
     """Base seed of the envs; None: random. The envs are seeded once, when made; a
     reconnection starts new episodes that go on from each env's random stream."""
@@ -208,8 +211,17 @@ class Actor:
             action_spec=spec.action.to_proto(),
             hostname=socket.gethostname(),
             pid=os.getpid(),
+            observation_changes=self._offers_changes(group),
         )
         return seedrl_pb2.ActorMessage(hello=hello).SerializeToString()
+
+    def _offers_changes(self, group: _Group) -> bool:
+        observation = group.env.spec.observation
+        return (
+            self.config.observation_changes
+            and observation.nbytes >= CHANGES_MIN_BYTES
+            and observation_changes_allowed(observation, group.env.num_envs)
+        )
 
     async def run(self) -> int:
         """Runs until the learner finishes or refuses us; returns the exit code."""
@@ -277,9 +289,12 @@ class Actor:
                     welcomes = [await self._read(call, timeout=None) for call in calls]
             except TimeoutError as error:
                 raise TimeoutError(f"no welcome within {config.connect_timeout_s:g} s") from error
-            for welcome in welcomes:
+            for group, welcome in zip(self.groups, welcomes, strict=True):
                 if welcome.WhichOneof("message") != "welcome":
                     raise WireError(f"expected a welcome, got {welcome.WhichOneof('message')}")
+                # A learner that does not know of changes leaves the welcome's flag unset.
+                accepted = welcome.welcome.observation_changes and self._offers_changes(group)
+                group.codec.start_stream(accepted)
             self.connections += 1
             on_welcome()
             logger.info(

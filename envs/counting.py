@@ -13,6 +13,11 @@ a step is 1 when the action taken equals (STEP of the previous observation)
 mod NUM_ACTIONS, else 0: a policy that reads the observation can earn the
 episode's full length. Auto-reset is next-step: the action after a final
 observation is ignored (LAST_ACTION becomes -1) and a new episode begins.
+
+"counting:wide" is the same env with a 1 KiB observation, float32 [256]: the
+six values, then `padding(ENV_INDEX)`, the same in every episode and run. It
+is large enough for actors to send its steps as observation changes
+(seedrl.codec), and the padding lets a test check that every value arrived.
 """
 
 from __future__ import annotations
@@ -25,8 +30,17 @@ from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
 NONCE, ENV_INDEX, EPISODE, STEP, TOTAL, LAST_ACTION = range(6)
 OBSERVATION_SIZE = 6
+WIDE_SIZE = 256
 NUM_ACTIONS = 3
-NAMES = ("v0",)
+NAMES = ("v0", "wide")
+
+
+def padding(env_index: np.ndarray) -> np.ndarray:
+    """float32 [N, WIDE_SIZE - OBSERVATION_SIZE]: a wide observation's values after the six,
+    distinct per env index and exact in float32 (below 2**24)."""
+    column = np.arange(1, WIDE_SIZE - OBSERVATION_SIZE + 1, dtype=np.int64)
+    seed = 7919 * (np.asarray(env_index, np.int64)[:, None] + 1)
+    return ((seed * column) % 2**20).astype(np.float32)
 
 
 def episode_length(env_index: np.ndarray, episode: np.ndarray) -> np.ndarray:
@@ -40,15 +54,19 @@ def ends_by_truncation(env_index: np.ndarray, episode: np.ndarray) -> np.ndarray
 class CountingVectorEnv:
     """K counting envs; pure numpy, microseconds per step."""
 
-    def __init__(self, num_envs: int, seed: int | None = None):
+    def __init__(self, num_envs: int, seed: int | None = None, name: str = "v0"):
         self.num_envs = num_envs
-        self.spec = spec("v0")
+        self.spec = spec(name)
+        self._size = self.spec.observation.shape[0]
         self._rng = np.random.default_rng(seed)
         self._index = np.arange(num_envs, dtype=np.int64)
+        self._padding = padding(self._index) if self._size > OBSERVATION_SIZE else None
         self.reset()
 
     def _observation(self) -> np.ndarray:
-        observation = np.empty((self.num_envs, OBSERVATION_SIZE), np.float32)
+        observation = np.empty((self.num_envs, self._size), np.float32)
+        if self._size > OBSERVATION_SIZE:
+            observation[:, OBSERVATION_SIZE:] = self._padding
         observation[:, NONCE] = self._nonce
         observation[:, ENV_INDEX] = self._index
         observation[:, EPISODE] = self._episode
@@ -88,8 +106,7 @@ class CountingVectorEnv:
 
 
 def make(name: str, num_envs: int, seed: int | None = None) -> CountingVectorEnv:
-    spec(name)
-    return CountingVectorEnv(num_envs, seed=seed)
+    return CountingVectorEnv(num_envs, seed=seed, name=name)
 
 
 def spec(name: str) -> EnvSpec:
@@ -97,6 +114,6 @@ def spec(name: str) -> EnvSpec:
         raise ValueError(f"counting env {name!r} is unknown; names: {', '.join(NAMES)}")
     return EnvSpec(
         env_id=f"counting:{name}",
-        observation=TensorSpec("float32", (OBSERVATION_SIZE,)),
+        observation=TensorSpec("float32", (WIDE_SIZE if name == "wide" else OBSERVATION_SIZE,)),
         action=ActionSpec(NUM_ACTIONS),
     )

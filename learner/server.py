@@ -26,7 +26,7 @@ from learner.inference import STOPPED, ParameterSource
 from learner.stats import LearnerStats
 from learner.unroll_store import UnrollStore
 from seedrl import security
-from seedrl.codec import StepCodec, WireError
+from seedrl.codec import StepCodec, WireError, observation_changes_allowed
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION, ActionSpec, EnvSpec, SpecError, TensorSpec
 from seedrl.transport import SERVICE_NAME, STREAM_METHOD
@@ -121,7 +121,11 @@ class ActorStream:
     slots: np.ndarray
     slot_owners: np.ndarray
     """int64 [K] filled with `owner`, for the unroll store's owner check."""
+    observation_changes: bool = False
+    """Its steps may carry observation changes (the hello offered, the welcome accepted)."""
     steps: int = 0
+    received_bytes: int = 0
+    """Bytes of its step messages so far (what its link carries to the learner)."""
     superseded_by: str = ""
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
@@ -230,7 +234,7 @@ class LearnerService:
                 self._end_of_service()
                 return
             actor.task = asyncio.current_task()
-            await context.write(self._welcome())
+            await context.write(self._welcome(actor))
             await self._serve(actor, context)
         except asyncio.CancelledError:
             if actor is None or not actor.idle:
@@ -289,6 +293,8 @@ class LearnerService:
             num_envs=hello.num_envs,
             slots=self._store.allocate(owner, hello.num_envs),
             slot_owners=np.full(hello.num_envs, owner, np.int64),
+            observation_changes=hello.observation_changes
+            and observation_changes_allowed(self.env_spec.observation, hello.num_envs),
         )
         for other in self.streams.values():
             if other.actor_id == actor.actor_id:
@@ -310,22 +316,25 @@ class LearnerService:
         )
         return actor
 
-    def _welcome(self) -> bytes:
+    def _welcome(self, actor: ActorStream) -> bytes:
         welcome = seedrl_pb2.Welcome(
             action_spec=self.env_spec.action.to_proto(),
             policy_version=self._parameters.version,
             learner_id=self.learner_id,
+            observation_changes=actor.observation_changes,
         )
         return seedrl_pb2.LearnerMessage(welcome=welcome).SerializeToString()
 
     async def _serve(self, actor: ActorStream, context: grpc.aio.ServicerContext) -> None:
         codec = StepCodec(self.env_spec.observation, self.env_spec.action, actor.num_envs)
+        codec.start_stream(actor.observation_changes)
         loop = asyncio.get_running_loop()
         while True:
             raw = await context.read()
             if raw is grpc.aio.EOF:
                 return
             actor.last_seen = time.monotonic()
+            actor.received_bytes += len(raw)
             if self.stopping:
                 self._end_of_service()
                 return

@@ -161,12 +161,15 @@ class ActorTable:
                         "envs": 0,
                         "env_steps": 0,
                         "steps_per_s": 0.0,
+                        "received_bytes": 0,
+                        "bytes_per_env_step": 0.0,
                         "last_seen_s": math.inf,
                         "connected_s": 0.0,
                     }
                 row["streams"] += 1
                 row["envs"] += stream.num_envs
                 row["env_steps"] += stream.steps * stream.num_envs
+                row["received_bytes"] += stream.received_bytes
                 row["steps_per_s"] += rate * stream.num_envs
                 row["last_seen_s"] = min(row["last_seen_s"], now - stream.last_seen)
                 row["connected_s"] = max(row["connected_s"], now - stream.connected_at)
@@ -174,6 +177,9 @@ class ActorTable:
                 del self._samples[owner]
         for row in actors.values():
             row["steps_per_s"] = round(row["steps_per_s"], 1)
+            # What one env step costs the actor's link: sizes links (docs/fleets.md).
+            if row["env_steps"]:
+                row["bytes_per_env_step"] = round(row["received_bytes"] / row["env_steps"], 1)
             row["last_seen_s"] = round(row["last_seen_s"], 2)
             row["connected_s"] = round(row["connected_s"], 1)
         return sorted(actors.values(), key=lambda row: (row["id"], row["pid"]))

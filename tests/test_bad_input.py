@@ -56,6 +56,9 @@ def step(num_envs: int = 2, **changes) -> bytes:
     return message.SerializeToString()
 
 
+OFFSET_0 = np.array([0], "<u4").tobytes()
+WORD_0 = np.zeros(1, "<u8").tobytes()
+
 CASES = {
     "garbage instead of a hello": (
         [b"\xff\xff\xff\xff garbage"],
@@ -111,6 +114,47 @@ CASES = {
         [hello(), step(observations=np.array([0.0] * 11 + [np.nan], "<f4").tobytes())],
         grpc.StatusCode.INVALID_ARGUMENT,
         "observations are not all finite",
+    ),
+    "observation changes the stream did not agree on": (
+        [hello(), step(changed_offsets=OFFSET_0, changed_words=WORD_0)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 1: the step carries observation changes, which this stream did not agree on",
+    ),
+    "observation changes before whole observations": (
+        [hello(observation_changes=True), step(observations=b"", changed_offsets=OFFSET_0)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 1: the step carries observation changes before any whole observations",
+    ),
+    "observation changes beside whole observations": (
+        [hello(observation_changes=True), step(changed_offsets=OFFSET_0, changed_words=WORD_0)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 1: the step carries both observations and observation changes",
+    ),
+    "an observation change past the observations": (
+        [
+            hello(observation_changes=True),
+            step(),
+            step(
+                observations=b"",
+                changed_offsets=np.array([6], "<u4").tobytes(),  # 2 envs x 24 bytes: 6 words
+                changed_words=WORD_0,
+            ),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 2: changed offset 6 is past the observations' 6 words",
+    ),
+    "a non-finite observation change": (
+        [
+            hello(observation_changes=True),
+            step(),
+            step(
+                observations=b"",
+                changed_offsets=OFFSET_0,
+                changed_words=np.array([0.0, np.nan], "<f4").tobytes(),
+            ),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 2: observation changes are not all finite",
     ),
     "a second hello": (
         [hello(), step(), hello()],

@@ -3,7 +3,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from seedrl.codec import EnvStep, StepCodec, WireError, encode_actions_message, varint
+from seedrl.codec import (
+    EnvStep,
+    StepCodec,
+    WireError,
+    encode_actions_message,
+    observation_changes_allowed,
+    varint,
+)
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import ActionSpec, SpecError, TensorSpec
 
@@ -230,3 +237,115 @@ def test_non_finite_observations_are_refused_whatever_their_float_width(dtype):
         codec.decode_step_message(
             codec.encode_step(EnvStep(infinite_pair, np.ones(2), flags, flags))
         )
+
+
+# -- observation changes -----------------------------------------------------
+
+FRAME = TensorSpec("uint8", (1, 84, 84))
+
+
+def frames_moving(num_envs: int, steps: int, seed: int) -> list[np.ndarray]:
+    """Frames of K envs in which a few pixels change per step, as in Atari."""
+    rng = np.random.default_rng(seed)
+    frame = rng.integers(0, 256, (num_envs, *FRAME.shape), dtype=np.uint8)
+    frames = [frame]
+    for _ in range(steps):
+        frame = frame.copy()
+        pixels = rng.integers(0, frame.size, size=rng.integers(0, 60))
+        frame.reshape(-1)[pixels] = rng.integers(0, 256, size=pixels.size, dtype=np.uint8)
+        frames.append(frame)
+    return frames
+
+
+def step_of(observations: np.ndarray) -> EnvStep:
+    num_envs = len(observations)
+    flags = np.zeros(num_envs, bool)
+    return EnvStep(observations, np.ones(num_envs, np.float32), flags, flags)
+
+
+def agreed_pair(spec: TensorSpec, num_envs: int) -> tuple[StepCodec, StepCodec]:
+    actor, learner = StepCodec(spec, ACTIONS, num_envs), StepCodec(spec, ACTIONS, num_envs)
+    actor.start_stream(observation_changes=True)
+    learner.start_stream(observation_changes=True)
+    return actor, learner
+
+
+def test_observation_changes_reproduce_every_step_from_a_fraction_of_the_bytes():
+    actor, learner = agreed_pair(FRAME, num_envs=4)
+    frames = frames_moving(4, steps=30, seed=0)
+    frames.append(np.random.default_rng(1).integers(0, 256, frames[0].shape, dtype=np.uint8))
+    frames.append(frames[-1].copy())  # nothing changed at all
+    sizes = []
+    for index, frame in enumerate(frames):
+        raw = actor.encode_step(step_of(frame))
+        sizes.append(len(raw))
+        # The fast reader and protobuf's parse read the same step.
+        fast = learner.decode_step_message(raw)
+        np.testing.assert_array_equal(fast.observations, frame, f"step {index}")
+        assert not fast.observations.flags.writeable
+        step = seedrl_pb2.ActorMessage.FromString(raw).step
+        assert bool(step.observations) == (index in (0, 31)), index
+    whole = frames[0].nbytes
+    assert sizes[0] > whole and sizes[31] > whole  # the first step, and a new scene
+    assert max(sizes[1:31]) < whole // 20 and sizes[32] < 40  # 60 pixels at most; none
+
+
+def test_protobuf_reads_and_writes_observation_changes_as_the_codec_does():
+    actor, learner = agreed_pair(FRAME, num_envs=2)
+    first, second = frames_moving(2, steps=1, seed=2)
+    actor.encode_step(step_of(first))
+    learner.decode_step_message(protobuf_step(step_of(first)))  # written by protobuf
+    raw = actor.encode_step(step_of(second))
+    step = seedrl_pb2.ActorMessage.FromString(raw).step
+    offsets = np.frombuffer(step.changed_offsets, "<u4")
+    words = first.reshape(-1).view("<u8").copy()
+    words[offsets] = np.frombuffer(step.changed_words, "<u8")
+    np.testing.assert_array_equal(words, second.reshape(-1).view("<u8"))
+    assert seedrl_pb2.ActorMessage(step=step).SerializeToString() == raw
+    np.testing.assert_array_equal(learner.decode_step(step).observations, second)
+
+
+def test_a_new_stream_starts_again_from_whole_observations():
+    actor, learner = agreed_pair(FRAME, num_envs=1)
+    first, second = frames_moving(1, steps=1, seed=3)
+    actor.encode_step(step_of(first))
+    actor.start_stream(observation_changes=True)  # a reconnection
+    assert seedrl_pb2.ActorMessage.FromString(actor.encode_step(step_of(second))).step.observations
+    actor.start_stream(observation_changes=False)
+    raw = actor.encode_step(step_of(first))
+    assert raw == protobuf_step(step_of(first))
+    with pytest.raises(WireError, match="before any whole observations"):
+        learner.decode_step(seedrl_pb2.Step(rewards=b"\0" * 4, terminated=b"\0", truncated=b"\0"))
+
+
+def test_float_observation_changes_are_checked_before_any_is_applied():
+    spec = TensorSpec("float32", (256,))
+    actor, learner = agreed_pair(spec, num_envs=1)
+    observation = np.arange(256, dtype=np.float32)[None]
+    learner.decode_step_message(actor.encode_step(step_of(observation)))
+    bad = seedrl_pb2.Step(
+        rewards=b"\0" * 4,
+        terminated=b"\0",
+        truncated=b"\0",
+        changed_offsets=np.array([0, 5], "<u4").tobytes(),
+        changed_words=np.array([7, 7, np.inf, 7], "<f4").tobytes(),
+    )
+    with pytest.raises(WireError, match="observation changes are not all finite"):
+        learner.decode_step(bad)
+    bad.changed_words = b"\0" * 8
+    with pytest.raises(WireError, match="changed_words hold 8 bytes, expected 16"):
+        learner.decode_step(bad)
+    bad.changed_offsets = b"\0" * 6
+    with pytest.raises(WireError, match="6 bytes, not a whole number of uint32"):
+        learner.decode_step(bad)
+    # Nothing of the refused steps was applied.
+    unchanged = seedrl_pb2.Step(rewards=b"\0" * 4, terminated=b"\0", truncated=b"\0")
+    np.testing.assert_array_equal(learner.decode_step(unchanged).observations, observation)
+
+
+def test_only_whole_8_byte_words_travel_as_changes():
+    assert observation_changes_allowed(FRAME, 4)
+    assert observation_changes_allowed(TensorSpec("float32", (6,)), 1)
+    assert not observation_changes_allowed(TensorSpec("float32", (3,)), 2)
+    with pytest.raises(ValueError, match="cannot travel as changes"):
+        StepCodec(TensorSpec("uint8", (5,)), ACTIONS, 8).start_stream(observation_changes=True)

@@ -7,7 +7,9 @@ checks that each unroll is T+1 consecutive steps of one env of one run, that
 consecutive unrolls overlap by exactly one step with nothing lost or
 repeated, that every action reached the env it was chosen for, and that a
 killed and restarted actor comes back as a new run whose steps never join an
-unroll of the old one.
+unroll of the old one. "counting:wide" runs the same checks on observations
+large enough to travel as observation changes (seedrl.codec), padding
+included.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class Collector:
 
 def check_unroll(unroll: Unroll) -> None:
     obs = unroll.observations
+    if obs.shape[1] > counting.OBSERVATION_SIZE:  # counting:wide: every value arrived
+        np.testing.assert_array_equal(
+            obs[:, counting.OBSERVATION_SIZE :], counting.padding(obs[:, counting.ENV_INDEX])
+        )
     assert len(np.unique(obs[:, counting.NONCE])) == 1, "an unroll mixes env instances"
     assert len(np.unique(obs[:, counting.ENV_INDEX])) == 1, "an unroll mixes envs"
     np.testing.assert_array_equal(np.diff(obs[:, counting.TOTAL]), 1, "a step lost or repeated")
@@ -123,11 +129,14 @@ def fleet(tmp_path):
     learner.stop()
 
 
-def test_unrolls_are_stitched_exactly_across_an_actor_restart(fleet, tmp_path):
+@pytest.mark.parametrize("env", [ENV, "counting:wide"])
+def test_unrolls_are_stitched_exactly_across_an_actor_restart(env, tmp_path):
+    config = learner_config(env, tmp_path / "run", unroll_length=5, unroll_queue_size=64)
+    fleet = LearnerThread(config, train=False).start()
     logs = tmp_path / "actors"
     collector = Collector(fleet)
-    steady = spawn_actor(fleet.address, ENV, 2, "steady", logs)
-    doomed = spawn_actor(fleet.address, ENV, 3, "doomed", logs)
+    steady = spawn_actor(fleet.address, env, 2, "steady", logs)
+    doomed = spawn_actor(fleet.address, env, 3, "doomed", logs)
     restarted = None
     try:
         collector.drain_until(
@@ -138,7 +147,7 @@ def test_unrolls_are_stitched_exactly_across_an_actor_restart(fleet, tmp_path):
         streams = {s.actor_id: s for s in fleet.learner.service.streams.values()}
         first_run = streams["doomed"].run_id
         doomed.kill()
-        restarted = spawn_actor(fleet.address, ENV, 3, "doomed", logs)
+        restarted = spawn_actor(fleet.address, env, 3, "doomed", logs)
         collector.drain_until(
             lambda: (
                 sum(1 for a, r, _ in collector.unrolls if a == "doomed" and r != first_run) >= 30
@@ -150,10 +159,20 @@ def test_unrolls_are_stitched_exactly_across_an_actor_restart(fleet, tmp_path):
         collector.drain_until(
             lambda: collector.count("steady") >= steady_before + 10, 60, "the steady actor to go on"
         )
+        streams = list(fleet.learner.service.streams.values())
     finally:
         for actor in (steady, doomed, restarted):
             if actor is not None:
                 actor.kill()
+        fleet.stop()
+
+    # A wide observation travels as its changes (2 of its 128 words per env step), a
+    # counting:v0 one whole; either way with the step's rewards and flags.
+    wide = env == "counting:wide"
+    assert len(streams) == 2 and all(s.observation_changes == wide for s in streams)
+    for stream in streams:
+        per_env_step = stream.received_bytes / (stream.steps * stream.num_envs)
+        assert per_env_step < (60 if wide else 45), (stream.actor_id, per_env_step)
 
     runs = collections.defaultdict(set)
     nonces = collections.defaultdict(set)
@@ -203,10 +222,12 @@ def test_an_actor_is_refused_for_the_wrong_env_and_exits(fleet, tmp_path):
 
 
 def test_a_stopped_learner_leaves_actors_retrying_until_one_is_back(tmp_path):
+    # Wide observations: the reconnected actor must begin its new stream with them whole.
+    env = "counting:wide"
     port = free_port()
-    config = learner_config(ENV, tmp_path / "run", port=port)
+    config = learner_config(env, tmp_path / "run", port=port)
     first = LearnerThread(config, train=True).start()
-    actor = spawn_actor(first.address, ENV, 2, "patient", tmp_path / "actors")
+    actor = spawn_actor(first.address, env, 2, "patient", tmp_path / "actors")
     try:
         wait_until(lambda: first.learner.stats.updates >= 5, 60, "training with a live actor")
         (old_run,) = [s.run_id for s in first.learner.service.streams.values()]
@@ -215,17 +236,18 @@ def test_a_stopped_learner_leaves_actors_retrying_until_one_is_back(tmp_path):
         assert time.monotonic() - stopped_at < 15
         # Not "training finished": the actor must not exit, it retries.
         assert actor.process.poll() is None, actor.log()
-        second = LearnerThread(learner_config(ENV, tmp_path / "run2", port=port)).start()
+        second = LearnerThread(learner_config(env, tmp_path / "run2", port=port)).start()
         try:
             wait_until(
                 lambda: (
-                    [s.actor_id for s in second.learner.service.streams.values()] == ["patient"]
+                    [(s.actor_id, s.steps >= 20) for s in second.learner.service.streams.values()]
+                    == [("patient", True)]
                 ),
                 60,
-                "the actor to reconnect to the new learner",
+                "the actor to reconnect to the new learner and step on",
             )
-            (new_run,) = [s.run_id for s in second.learner.service.streams.values()]
-            assert new_run != old_run
+            (stream,) = second.learner.service.streams.values()
+            assert stream.run_id != old_run and stream.observation_changes
         finally:
             second.stop()
         assert "UNAVAILABLE" in actor.log() and "retrying" in actor.log()

@@ -101,6 +101,7 @@ def fake_stream(owner, actor_id, pid, num_envs, steps, connected_at, last_seen):
         peer=f"ipv4:10.0.0.1:{owner}",
         num_envs=num_envs,
         steps=steps,
+        received_bytes=steps * num_envs * 100,
         connected_at=connected_at,
         last_seen=last_seen,
     )
@@ -119,6 +120,8 @@ def test_actor_table_sums_an_actors_streams_and_measures_its_rate(monkeypatch):
     assert set(first) == {"a", "b"}
     assert first["a"]["streams"] == 2 and first["a"]["envs"] == 8
     assert first["a"]["env_steps"] == 2 * 50 * 4
+    assert first["a"]["received_bytes"] == 2 * 50 * 4 * 100
+    assert first["a"]["bytes_per_env_step"] == pytest.approx(100)
     # Before a second sample: the rate since connecting (50 messages in 10 s, 4 envs).
     assert first["a"]["steps_per_s"] == pytest.approx(2 * 5 * 4)
     assert first["a"]["last_seen_s"] == pytest.approx(0.5)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19seedrl/proto/seedrl.proto\x12\tseedrl.v1\"*\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"!\n\nActionSpec\x12\x13\n\x0bnum_actions\x18\x01 \x01(\x05\"\xe1\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63tor_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x0e\n\x06\x65nv_id\x18\x05 \x01(\t\x12/\n\x10observation_spec\x18\x06 \x01(\x0b\x32\x15.seedrl.v1.TensorSpec\x12*\n\x0b\x61\x63tion_spec\x18\x07 \x01(\x0b\x32\x15.seedrl.v1.ActionSpec\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x0b\n\x03pid\x18\t \x01(\r\"T\n\x04Step\x12\x14\n\x0cobservations\x18\x01 \x01(\x0c\x12\x0f\n\x07rewards\x18\x02 \x01(\x0c\x12\x12\n\nterminated\x18\x03 \x01(\x0c\x12\x11\n\ttruncated\x18\x04 \x01(\x0c\"]\n\x0c\x41\x63torMessage\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.seedrl.v1.HelloH\x00\x12\x1f\n\x04step\x18\x02 \x01(\x0b\x32\x0f.seedrl.v1.StepH\x00\x42\t\n\x07message\"a\n\x07Welcome\x12*\n\x0b\x61\x63tion_spec\x18\x01 \x01(\x0b\x32\x15.seedrl.v1.ActionSpec\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nlearner_id\x18\x03 \x01(\t\"2\n\x07\x41\x63tions\x12\x0f\n\x07\x61\x63tions\x18\x01 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"i\n\x0eLearnerMessage\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.seedrl.v1.WelcomeH\x00\x12%\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x12.seedrl.v1.ActionsH\x00\x42\t\n\x07message2K\n\x07Learner\x12@\n\x06Stream\x12\x17.seedrl.v1.ActorMessage\x1a\x19.seedrl.v1.LearnerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19seedrl/proto/seedrl.proto\x12\tseedrl.v1\"*\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"!\n\nActionSpec\x12\x13\n\x0bnum_actions\x18\x01 \x01(\x05\"\xfe\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63tor_id\x18\x02 \x01(\t\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x0e\n\x06\x65nv_id\x18\x05 \x01(\t\x12/\n\x10observation_spec\x18\x06 \x01(\x0b\x32\x15.seedrl.v1.TensorSpec\x12*\n\x0b\x61\x63tion_spec\x18\x07 \x01(\x0b\x32\x15.seedrl.v1.ActionSpec\x12\x10\n\x08hostname\x18\x08 \x01(\t\x12\x0b\n\x03pid\x18\t \x01(\r\x12\x1b\n\x13observation_changes\x18\n \x01(\x08\"\x84\x01\n\x04Step\x12\x14\n\x0cobservations\x18\x01 \x01(\x0c\x12\x0f\n\x07rewards\x18\x02 \x01(\x0c\x12\x12\n\nterminated\x18\x03 \x01(\x0c\x12\x11\n\ttruncated\x18\x04 \x01(\x0c\x12\x17\n\x0f\x63hanged_offsets\x18\x05 \x01(\x0c\x12\x15\n\rchanged_words\x18\x06 \x01(\x0c\"]\n\x0c\x41\x63torMessage\x12!\n\x05hello\x18\x01 \x01(\x0b\x32\x10.seedrl.v1.HelloH\x00\x12\x1f\n\x04step\x18\x02 \x01(\x0b\x32\x0f.seedrl.v1.StepH\x00\x42\t\n\x07message\"~\n\x07Welcome\x12*\n\x0b\x61\x63tion_spec\x18\x01 \x01(\x0b\x32\x15.seedrl.v1.ActionSpec\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x12\n\nlearner_id\x18\x03 \x01(\t\x12\x1b\n\x13observation_changes\x18\x04 \x01(\x08\"2\n\x07\x41\x63tions\x12\x0f\n\x07\x61\x63tions\x18\x01 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\"i\n\x0eLearnerMessage\x12%\n\x07welcome\x18\x01 \x01(\x0b\x32\x12.seedrl.v1.WelcomeH\x00\x12%\n\x07\x61\x63tions\x18\x02 \x01(\x0b\x32\x12.seedrl.v1.ActionsH\x00\x42\t\n\x07message2K\n\x07Learner\x12@\n\x06Stream\x12\x17.seedrl.v1.ActorMessage\x1a\x19.seedrl.v1.LearnerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACTIONSPEC']._serialized_start=84
   _globals['_ACTIONSPEC']._serialized_end=117
   _globals['_HELLO']._serialized_start=120
-  _globals['_HELLO']._serialized_end=345
-  _globals['_STEP']._serialized_start=347
-  _globals['_STEP']._serialized_end=431
-  _globals['_ACTORMESSAGE']._serialized_start=433
-  _globals['_ACTORMESSAGE']._serialized_end=526
-  _globals['_WELCOME']._serialized_start=528
-  _globals['_WELCOME']._serialized_end=625
-  _globals['_ACTIONS']._serialized_start=627
-  _globals['_ACTIONS']._serialized_end=677
-  _globals['_LEARNERMESSAGE']._serialized_start=679
-  _globals['_LEARNERMESSAGE']._serialized_end=784
-  _globals['_LEARNER']._serialized_start=786
-  _globals['_LEARNER']._serialized_end=861
+  _globals['_HELLO']._serialized_end=374
+  _globals['_STEP']._serialized_start=377
+  _globals['_STEP']._serialized_end=509
+  _globals['_ACTORMESSAGE']._serialized_start=511
+  _globals['_ACTORMESSAGE']._serialized_end=604
+  _globals['_WELCOME']._serialized_start=606
+  _globals['_WELCOME']._serialized_end=732
+  _globals['_ACTIONS']._serialized_start=734
+  _globals['_ACTIONS']._serialized_end=784
+  _globals['_LEARNERMESSAGE']._serialized_start=786
+  _globals['_LEARNERMESSAGE']._serialized_end=891
+  _globals['_LEARNER']._serialized_start=893
+  _globals['_LEARNER']._serialized_end=968
 # @@protoc_insertion_point(module_scope)

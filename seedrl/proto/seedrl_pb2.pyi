@@ -21,7 +21,7 @@ class ActionSpec(_message.Message):
     def __init__(self, num_actions: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "actor_id", "run_id", "num_envs", "env_id", "observation_spec", "action_spec", "hostname", "pid")
+    __slots__ = ("protocol_version", "actor_id", "run_id", "num_envs", "env_id", "observation_spec", "action_spec", "hostname", "pid", "observation_changes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class Hello(_message.Message):
     ACTION_SPEC_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_CHANGES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     actor_id: str
     run_id: str
@@ -40,19 +41,24 @@ class Hello(_message.Message):
     action_spec: ActionSpec
     hostname: str
     pid: int
-    def __init__(self, protocol_version: _Optional[int] = ..., actor_id: _Optional[str] = ..., run_id: _Optional[str] = ..., num_envs: _Optional[int] = ..., env_id: _Optional[str] = ..., observation_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., action_spec: _Optional[_Union[ActionSpec, _Mapping]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    observation_changes: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., actor_id: _Optional[str] = ..., run_id: _Optional[str] = ..., num_envs: _Optional[int] = ..., env_id: _Optional[str] = ..., observation_spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., action_spec: _Optional[_Union[ActionSpec, _Mapping]] = ..., hostname: _Optional[str] = ..., pid: _Optional[int] = ..., observation_changes: _Optional[bool] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("observations", "rewards", "terminated", "truncated")
+    __slots__ = ("observations", "rewards", "terminated", "truncated", "changed_offsets", "changed_words")
     OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_WORDS_FIELD_NUMBER: _ClassVar[int]
     observations: bytes
     rewards: bytes
     terminated: bytes
     truncated: bytes
-    def __init__(self, observations: _Optional[bytes] = ..., rewards: _Optional[bytes] = ..., terminated: _Optional[bytes] = ..., truncated: _Optional[bytes] = ...) -> None: ...
+    changed_offsets: bytes
+    changed_words: bytes
+    def __init__(self, observations: _Optional[bytes] = ..., rewards: _Optional[bytes] = ..., terminated: _Optional[bytes] = ..., truncated: _Optional[bytes] = ..., changed_offsets: _Optional[bytes] = ..., changed_words: _Optional[bytes] = ...) -> None: ...
 
 class ActorMessage(_message.Message):
     __slots__ = ("hello", "step")
@@ -63,14 +69,16 @@ class ActorMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("action_spec", "policy_version", "learner_id")
+    __slots__ = ("action_spec", "policy_version", "learner_id", "observation_changes")
     ACTION_SPEC_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_CHANGES_FIELD_NUMBER: _ClassVar[int]
     action_spec: ActionSpec
     policy_version: int
     learner_id: str
-    def __init__(self, action_spec: _Optional[_Union[ActionSpec, _Mapping]] = ..., policy_version: _Optional[int] = ..., learner_id: _Optional[str] = ...) -> None: ...
+    observation_changes: bool
+    def __init__(self, action_spec: _Optional[_Union[ActionSpec, _Mapping]] = ..., policy_version: _Optional[int] = ..., learner_id: _Optional[str] = ..., observation_changes: _Optional[bool] = ...) -> None: ...
 
 class Actions(_message.Message):
     __slots__ = ("actions", "policy_version")
