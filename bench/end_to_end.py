@@ -326,6 +326,11 @@ def measure_against_raw(
                 measured.append({"on": on, "steps": read() - before, "wall": wall, "cpu": cpu})
             record = metrics.record(learner.unrolls.qsize())
             metrics.close()
+            streams = list(learner.service.streams.values())
+            # What an env step costs the actors' link (observation changes included).
+            wire_bytes_per_step = sum(s.received_bytes for s in streams) / max(
+                sum(s.steps * s.num_envs for s in streams), 1
+            )
     finally:
         raw.close()
     frames = raw.frames_per_step
@@ -358,6 +363,7 @@ def measure_against_raw(
         "ratio_to_raw_per_pair": [round(ratio, 4) for ratio in pairs],
         "learner_cores": summed("cpu", True) / summed("wall", True),
         "learner_cpu_us_per_step": 1e6 * summed("cpu", True) / max(summed("steps", True), 1),
+        "wire_bytes_per_step": round(wire_bytes_per_step, 1),
         "inference_batch_mean": record["inference_batch_mean"],
         "inference_latency_ms": record["inference_latency_ms"],
         "per_window": [
@@ -387,6 +393,7 @@ def run_trivial(settings: Settings) -> CaseResult:
             Column("ratio_to_raw", "ratio to (a)", "{:.3f}"),
             Column("learner_cpu_us_per_step", "learner us/step", "{:.1f}"),
             Column("learner_cores", "learner cores", "{:.2f}"),
+            Column("wire_bytes_per_step", "bytes/step", "{:.0f}"),
         ],
     )
     # (K, G): each actor's K envs in one message; two groups of K/2, each stepped while

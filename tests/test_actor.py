@@ -55,3 +55,24 @@ def test_each_group_is_seeded_apart_and_a_seed_reproduces_the_actor():
     assert len(set(nonces.tolist())) == len(nonces)  # no two groups play the same envs
     np.testing.assert_array_equal(np.stack(first_observations(5)), np.stack(groups))
     assert not np.array_equal(np.stack(first_observations(6)), np.stack(groups))
+
+
+@pytest.mark.parametrize(
+    ("learner", "setting", "env", "offered"),
+    [
+        ("10.1.2.3:8470", "auto", "counting:wide", True),  # another machine: bytes matter
+        ("learner-host:8470", "auto", "counting:wide", True),
+        ("127.0.0.1:8470", "auto", "counting:wide", False),  # loopback: bytes are free
+        ("[::1]:8470", "auto", "counting:wide", False),
+        ("localhost:8470", "auto", "counting:wide", False),
+        ("127.0.0.1:8470", "on", "counting:wide", True),
+        ("10.1.2.3:8470", "off", "counting:wide", False),
+        ("10.1.2.3:8470", "on", "counting:v0", False),  # 24 bytes: too small to pay
+    ],
+)
+def test_observation_changes_are_offered_where_they_pay(learner, setting, env, offered):
+    from seedrl.proto import seedrl_pb2
+
+    actor = Actor(ActorConfig(learner=learner, env=env, num_envs=2, observation_changes=setting))
+    hello = seedrl_pb2.ActorMessage.FromString(actor._hello(actor.groups[0])).hello
+    assert hello.observation_changes == offered
