@@ -175,6 +175,8 @@ class _Group:
     actor_id: str
     env: VectorEnv
     codec: StepCodec
+    offers_changes: bool
+    """Its hellos offer observation changes (config, learner address and observation)."""
 
 
 class Actor:
@@ -202,6 +204,7 @@ class Actor:
                 actor_id=self.actor_id if config.groups == 1 else f"{self.actor_id}/{index}",
                 env=env,
                 codec=StepCodec(env.spec.observation, env.spec.action, per_group),
+                offers_changes=self._offers_changes(env),
             )
             for index, env in enumerate(envs)
         ]
@@ -226,19 +229,19 @@ class Actor:
             action_spec=spec.action.to_proto(),
             hostname=socket.gethostname(),
             pid=os.getpid(),
-            observation_changes=self._offers_changes(group),
+            observation_changes=group.offers_changes,
         )
         return seedrl_pb2.ActorMessage(hello=hello).SerializeToString()
 
-    def _offers_changes(self, group: _Group) -> bool:
-        observation = group.env.spec.observation
+    def _offers_changes(self, env: VectorEnv) -> bool:
+        observation = env.spec.observation
         wanted = self.config.observation_changes
         if wanted == "auto":
             wanted = "off" if is_loopback(self.config.learner) else "on"
         return (
             wanted == "on"
             and observation.nbytes >= CHANGES_MIN_BYTES
-            and observation_changes_allowed(observation, group.env.num_envs)
+            and observation_changes_allowed(observation, env.num_envs)
         )
 
     async def run(self) -> int:
@@ -311,8 +314,9 @@ class Actor:
                 if welcome.WhichOneof("message") != "welcome":
                     raise WireError(f"expected a welcome, got {welcome.WhichOneof('message')}")
                 # A learner that does not know of changes leaves the welcome's flag unset.
-                accepted = welcome.welcome.observation_changes and self._offers_changes(group)
-                group.codec.start_stream(accepted)
+                group.codec.start_stream(
+                    welcome.welcome.observation_changes and group.offers_changes
+                )
             self.connections += 1
             on_welcome()
             logger.info(

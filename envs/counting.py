@@ -32,7 +32,8 @@ NONCE, ENV_INDEX, EPISODE, STEP, TOTAL, LAST_ACTION = range(6)
 OBSERVATION_SIZE = 6
 WIDE_SIZE = 256
 NUM_ACTIONS = 3
-NAMES = ("v0", "wide")
+SIZES = {"v0": OBSERVATION_SIZE, "wide": WIDE_SIZE}
+NAMES = tuple(SIZES)
 
 
 def padding(env_index: np.ndarray) -> np.ndarray:
@@ -57,16 +58,15 @@ class CountingVectorEnv:
     def __init__(self, num_envs: int, seed: int | None = None, name: str = "v0"):
         self.num_envs = num_envs
         self.spec = spec(name)
-        self._size = self.spec.observation.shape[0]
+        self._size = SIZES[name]
         self._rng = np.random.default_rng(seed)
         self._index = np.arange(num_envs, dtype=np.int64)
-        self._padding = padding(self._index) if self._size > OBSERVATION_SIZE else None
+        self._padding = padding(self._index)[:, : self._size - OBSERVATION_SIZE]
         self.reset()
 
     def _observation(self) -> np.ndarray:
         observation = np.empty((self.num_envs, self._size), np.float32)
-        if self._size > OBSERVATION_SIZE:
-            observation[:, OBSERVATION_SIZE:] = self._padding
+        observation[:, OBSERVATION_SIZE:] = self._padding
         observation[:, NONCE] = self._nonce
         observation[:, ENV_INDEX] = self._index
         observation[:, EPISODE] = self._episode
@@ -114,6 +114,6 @@ def spec(name: str) -> EnvSpec:
         raise ValueError(f"counting env {name!r} is unknown; names: {', '.join(NAMES)}")
     return EnvSpec(
         env_id=f"counting:{name}",
-        observation=TensorSpec("float32", (WIDE_SIZE if name == "wide" else OBSERVATION_SIZE,)),
+        observation=TensorSpec("float32", (SIZES[name],)),
         action=ActionSpec(NUM_ACTIONS),
     )

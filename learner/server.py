@@ -326,8 +326,12 @@ class LearnerService:
         return seedrl_pb2.LearnerMessage(welcome=welcome).SerializeToString()
 
     async def _serve(self, actor: ActorStream, context: grpc.aio.ServicerContext) -> None:
-        codec = StepCodec(self.env_spec.observation, self.env_spec.action, actor.num_envs)
-        codec.start_stream(actor.observation_changes)
+        codec = StepCodec(
+            self.env_spec.observation,
+            self.env_spec.action,
+            actor.num_envs,
+            observation_changes=actor.observation_changes,
+        )
         loop = asyncio.get_running_loop()
         while True:
             raw = await context.read()

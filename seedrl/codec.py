@@ -163,7 +163,13 @@ class EnvStep(NamedTuple):
 class StepCodec:
     """Encodes and decodes the per-step messages of one stream of K envs."""
 
-    def __init__(self, observation_spec: TensorSpec, action_spec: ActionSpec, num_envs: int):
+    def __init__(
+        self,
+        observation_spec: TensorSpec,
+        action_spec: ActionSpec,
+        num_envs: int,
+        observation_changes: bool = False,
+    ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be at least 1, got {num_envs}")
         self.observation_spec = observation_spec
@@ -180,7 +186,7 @@ class StepCodec:
                 (_TAG_TRUNCATED, num_envs * FLAG_DTYPE.itemsize),
             )
         )
-        self.start_stream(observation_changes=False)
+        self.start_stream(observation_changes)
 
     def start_stream(self, observation_changes: bool) -> None:
         """Begins a new stream: with `observation_changes` (both sides agreed), steps may
@@ -190,7 +196,6 @@ class StepCodec:
             self.observation_spec, self.num_envs
         ):
             raise ValueError(f"{self.observation_spec} observations cannot travel as changes")
-        self.observation_changes = observation_changes
         # The actor's copy of what it last sent, or the learner's of what it last received.
         self._words: np.ndarray | None = None
         if observation_changes:
