@@ -373,6 +373,27 @@ def measure_against_raw(
     }
 
 
+def trivial_configurations(num_envs: int, short: bool, env: str) -> list[tuple[int, int]]:
+    """Case (c)'s (K, G) rows for actors of `num_envs` envs.
+
+    K envs in one message; actors twice as large in two groups, so that a message
+    carries K envs again while one group steps as the other waits; and actors whose
+    two groups each fill the learner's inference batch, the largest message it takes
+    (the learner's costs per message are spread over the most env steps). Rows
+    whose messages would be larger than that batch, or that repeat one before, are
+    left out."""
+    from learner.config import preset_for
+
+    if short:
+        return [(num_envs, 1)]
+    largest = preset_for(env).max_envs_per_stream
+    rows = []
+    for envs, groups in ((num_envs, 1), (2 * num_envs, 2), (2 * largest, 2)):
+        if envs // groups <= largest and (envs, groups) not in rows:
+            rows.append((envs, groups))
+    return rows
+
+
 def run_trivial(settings: Settings) -> CaseResult:
     """Case (c), each row with its ratio to case (a)'s figure for the same env, P and K,
     measured in windows alternating with the fleet's."""
@@ -396,12 +417,7 @@ def run_trivial(settings: Settings) -> CaseResult:
             Column("wire_bytes_per_step", "bytes/step", "{:.0f}"),
         ],
     )
-    # (K, G): each actor's K envs in one message; two groups of K/2, each stepped while
-    # the other waits for its actions; and actors twice as large in two groups, so that
-    # a message carries K envs again (the per-message costs halve per env step).
-    configurations = (
-        [(num_envs, 1)] if settings.short else [(num_envs, 1), (num_envs, 2), (2 * num_envs, 2)]
-    )
+    configurations = trivial_configurations(num_envs, settings.short, env)
     windows = 2 if settings.short else 8
     for envs, groups in configurations:
         result.rows.append(

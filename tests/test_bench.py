@@ -235,3 +235,18 @@ def test_the_alignment_probe_times_both_sides_of_every_row(capsys):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert len(cells) == 4 and all(float(value) > 0 for value in cells[1:]), line
     assert lines[2].startswith("| policy, 2 rows |")
+
+
+def test_trivial_rows_end_with_messages_that_fill_an_inference_batch():
+    from bench.end_to_end import trivial_configurations
+    from learner.config import preset_for
+
+    largest = preset_for("atari:Pong").max_envs_per_stream
+    for num_envs in (8, 32, largest, 100, 3 * largest):
+        rows = trivial_configurations(num_envs, False, "atari:Pong")
+        assert len(rows) == len(set(rows))
+        # The learner refuses a message larger than its batch, so no row may send one.
+        assert all(envs // groups <= largest for envs, groups in rows)
+        assert rows[-1] == (2 * largest, 2)
+    assert trivial_configurations(32, False, "atari:Pong")[:2] == [(32, 1), (64, 2)]
+    assert trivial_configurations(8, True, "atari:Pong") == [(8, 1)]
