@@ -250,3 +250,28 @@ def test_trivial_rows_end_with_messages_that_fill_an_inference_batch():
         assert rows[-1] == (2 * largest, 2)
     assert trivial_configurations(32, False, "atari:Pong")[:2] == [(32, 1), (64, 2)]
     assert trivial_configurations(8, True, "atari:Pong") == [(8, 1)]
+
+
+def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path, capsys):
+    """bench.alternate, the A/B behind case (c)'s "64 envs per message against 32"."""
+    from bench import alternate
+
+    out = tmp_path / "ab.json"
+    fleets = ["--env", "counting:v0", "--processes", "1", "--configs", "4x1", "8x2"]
+    timing = ["--rounds", "2", "--warmup-s", "0", "--duration-s", "0.5", "--windows", "2"]
+    alternate.main([*fleets, *timing, "--json", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["4x1", "8x2"]
+    for rows in runs.values():
+        assert len(rows) == 2
+        for row in rows:
+            assert row["env_frames_per_s"] > 0 and row["raw_env_frames_per_s"] > 0
+            assert row["ratio_to_raw"] == pytest.approx(
+                row["env_frames_per_s"] / row["raw_env_frames_per_s"]
+            )
+            assert row["learner_cpu_us_per_step"] > 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["4x1", "8x2"]
+    for bad in ("8", "8x3", "0x1", "ax2"):
+        with pytest.raises(SystemExit):
+            alternate.main(["--configs", bad])

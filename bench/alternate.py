@@ -1,0 +1,105 @@
+"""Case (c) configurations against each other, alternating (docs/benchmarks.md, (c)).
+
+One case (c) row is noisy on a shared machine: its window pairs spread over 0.1-0.3
+of raw env speed. To compare two fleets (for instance actors of K = 128 against
+K = 64, both in two groups), this runs each configuration's `measure_against_raw`
+in turn, round after round in one process, so that both see the same stretch of the
+machine, and prints every run's ratio to case (a), the means, and the learner's CPU
+per env step:
+
+    .venv/bin/python -m bench.alternate --configs 128x2 64x2 --rounds 4
+    .venv/bin/python -m bench.alternate --configs 128x2 64x2 --json runs/ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+
+from bench.end_to_end import measure_against_raw
+
+RUN_KEYS = ("ratio_to_raw", "learner_cpu_us_per_step", "env_frames_per_s", "raw_env_frames_per_s")
+
+
+def configuration(text: str) -> tuple[int, int]:
+    """'KxG' (envs per actor x groups) as a pair, with G dividing K."""
+    try:
+        envs, groups = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not KxG, for instance 128x2") from None
+    if envs < 1 or groups < 1 or envs % groups:
+        raise argparse.ArgumentTypeError(f"'{text}': K and G must be positive and G divide K")
+    return envs, groups
+
+
+def alternate(
+    env: str,
+    processes: int,
+    configurations: Sequence[tuple[int, int]],
+    rounds: int,
+    warmup_s: float,
+    duration_s: float,
+    windows: int,
+) -> dict[str, list[dict]]:
+    """Per configuration ('KxG'), its runs in order: each run's figures of `RUN_KEYS`."""
+    runs: dict[str, list[dict]] = {f"{k}x{g}": [] for k, g in configurations}
+    for _ in range(rounds):
+        for envs, groups in configurations:
+            row = measure_against_raw(env, processes, envs, groups, warmup_s, duration_s, windows)
+            runs[f"{envs}x{groups}"].append({key: row[key] for key in RUN_KEYS})
+    return runs
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    lines = [
+        "| K x G | ratio to (a), per run | mean | learner CPU us/env step, per run | mean |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, rows in runs.items():
+        ratios = [row["ratio_to_raw"] for row in rows]
+        cpu = [row["learner_cpu_us_per_step"] for row in rows]
+        lines.append(
+            f"| {name} | {', '.join(f'{r:.3f}' for r in ratios)} | {statistics.mean(ratios):.3f} "
+            f"| {', '.join(f'{c:.1f}' for c in cpu)} | {statistics.mean(cpu):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", default="atari:Pong")
+    parser.add_argument("--processes", type=int, default=2, help="actor processes (P)")
+    parser.add_argument(
+        "--configs",
+        type=configuration,
+        nargs="+",
+        default=[(128, 2), (64, 2)],
+        help="KxG: envs per actor x groups, run in this order every round",
+    )
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--duration-s", type=float, default=20.0, help="per side, per run")
+    parser.add_argument("--windows", type=int, default=8, help="even: fleet, raw, raw, fleet, ...")
+    parser.add_argument("--json", help="also write the runs here")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.processes < 1:
+        parser.error("--rounds and --processes must be at least 1")
+    runs = alternate(
+        args.env,
+        args.processes,
+        args.configs,
+        args.rounds,
+        args.warmup_s,
+        args.duration_s,
+        args.windows,
+    )
+    print(table(runs))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"env": args.env, "processes": args.processes, "runs": runs}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
