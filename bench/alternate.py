@@ -86,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.processes < 1:
         parser.error("--rounds and --processes must be at least 1")
+    if args.windows < 2 or args.windows % 2:
+        parser.error(f"--windows must be even and at least 2, got {args.windows}")
+    if args.duration_s <= 0 or args.warmup_s < 0:
+        parser.error("--duration-s must be positive and --warmup-s not negative")
     runs = alternate(
         args.env,
         args.processes,

@@ -272,6 +272,9 @@ def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path
             assert row["learner_cpu_us_per_step"] > 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["4x1", "8x2"]
-    for bad in ("8", "8x3", "0x1", "ax2"):
+    refused = [["--configs", text] for text in ("8", "8x3", "0x1", "ax2")]
+    refused += [["--rounds", "0"], ["--windows", "3"], ["--duration-s", "0"]]
+    for bad in refused:
         with pytest.raises(SystemExit):
-            alternate.main(["--configs", bad])
+            alternate.main(bad)
+    assert capsys.readouterr().out == ""  # refused before anything ran
