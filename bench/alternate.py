@@ -18,6 +18,7 @@ import json
 import statistics
 from collections.abc import Sequence
 
+from bench.common import alternating
 from bench.end_to_end import measure_against_raw
 
 RUN_KEYS = ("ratio_to_raw", "learner_cpu_us_per_step", "env_frames_per_s", "raw_env_frames_per_s")
@@ -44,11 +45,11 @@ def alternate(
     windows: int,
 ) -> dict[str, list[dict]]:
     """Per configuration ('KxG'), its runs in order: each run's figures of `RUN_KEYS`."""
-    runs: dict[str, list[dict]] = {f"{k}x{g}": [] for k, g in configurations}
+    runs: dict[str, list[dict]] = {}
     for _ in range(rounds):
         for envs, groups in configurations:
             row = measure_against_raw(env, processes, envs, groups, warmup_s, duration_s, windows)
-            runs[f"{envs}x{groups}"].append({key: row[key] for key in RUN_KEYS})
+            runs.setdefault(f"{envs}x{groups}", []).append({key: row[key] for key in RUN_KEYS})
     return runs
 
 
@@ -86,8 +87,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.processes < 1:
         parser.error("--rounds and --processes must be at least 1")
-    if args.windows < 2 or args.windows % 2:
-        parser.error(f"--windows must be even and at least 2, got {args.windows}")
+    try:
+        alternating(args.windows)  # the windows' schedule refuses a count it cannot pair
+    except ValueError as error:
+        parser.error(f"--{error}")
     if args.duration_s <= 0 or args.warmup_s < 0:
         parser.error("--duration-s must be positive and --warmup-s not negative")
     runs = alternate(

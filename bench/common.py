@@ -108,7 +108,11 @@ def cpus_of(pids: list[int]) -> list[int]:
 
 def alternating(windows: int) -> list[bool]:
     """Which of `windows` windows measure the side under test: on, off, off, on, ...
-    (an ABBA order, so that a drift of the machine's speed weighs on both sides alike)."""
+    (an ABBA order, so that a drift of the machine's speed weighs on both sides alike).
+    Each window of the side under test is paired with the window beside it, so the
+    count must be even."""
+    if windows < 2 or windows % 2:
+        raise ValueError(f"windows must be even and at least 2, got {windows}")
     return [index % 4 in (0, 3) for index in range(windows)]
 
 

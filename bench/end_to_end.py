@@ -270,8 +270,7 @@ def measure_against_raw(
     and the raw envs on the others, as a fleet with a learner of its own runs."""
     from bench import raw_env
 
-    if windows < 2 or windows % 2:
-        raise ValueError(f"windows must be even and at least 2, got {windows}")
+    fleet_on = alternating(windows)
     usable = os.sched_getaffinity(0)
     env_cpus = usable
     if learner_cpus is not None:
@@ -282,7 +281,6 @@ def measure_against_raw(
                 f"usable cores {sorted(usable)}"
             )
     window_s = 2 * duration_s / windows
-    fleet_on = alternating(windows)
     raw = raw_env.PausableEnvs(env, processes, num_envs)
     try:
         raw.pause()
