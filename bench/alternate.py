@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections.abc import Sequence
 
+from bench import machine
 from bench.common import alternating
 from bench.end_to_end import measure_against_raw
 
@@ -44,12 +46,19 @@ def alternate(
     duration_s: float,
     windows: int,
 ) -> dict[str, list[dict]]:
-    """Per configuration ('KxG'), its runs in order: each run's figures of `RUN_KEYS`."""
+    """Per configuration ('KxG'), its runs in order: each run's figures of `RUN_KEYS` and
+    the share of the machine's CPU time the hypervisor took over the run (`steal`)."""
     runs: dict[str, list[dict]] = {}
     for _ in range(rounds):
         for envs, groups in configurations:
+            before = machine.cpu_times()
             row = measure_against_raw(env, processes, envs, groups, warmup_s, duration_s, windows)
-            runs.setdefault(f"{envs}x{groups}", []).append({key: row[key] for key in RUN_KEYS})
+            runs.setdefault(f"{envs}x{groups}", []).append(
+                {
+                    **{key: row[key] for key in RUN_KEYS},
+                    "steal": machine.steal_share(before, machine.cpu_times()),
+                }
+            )
     return runs
 
 
@@ -83,7 +92,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--duration-s", type=float, default=20.0, help="per side, per run")
     parser.add_argument("--windows", type=int, default=8, help="even: fleet, raw, raw, fleet, ...")
-    parser.add_argument("--json", help="also write the runs here")
+    parser.add_argument(
+        "--json", help="also write the runs here, with the machine's description and the commit"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.processes < 1:
         parser.error("--rounds and --processes must be at least 1")
@@ -93,6 +104,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--{error}")
     if args.duration_s <= 0 or args.warmup_s < 0:
         parser.error("--duration-s must be positive and --warmup-s not negative")
+    context = {
+        "machine": machine.describe(),
+        "commit": machine.commit(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": {
+            "env": args.env,
+            "processes": args.processes,
+            "configs": [f"{envs}x{groups}" for envs, groups in args.configs],
+            "rounds": args.rounds,
+            "warmup_s": args.warmup_s,
+            "duration_s": args.duration_s,
+            "windows": args.windows,
+        },
+    }
     runs = alternate(
         args.env,
         args.processes,
@@ -105,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(table(runs))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"env": args.env, "processes": args.processes, "runs": runs}, out, indent=1)
+            json.dump({**context, "runs": runs}, out, indent=1)
 
 
 if __name__ == "__main__":

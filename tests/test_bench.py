@@ -254,13 +254,17 @@ def test_trivial_rows_end_with_messages_that_fill_an_inference_batch():
 
 def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path, capsys):
     """bench.alternate, the A/B behind case (c)'s "64 envs per message against 32"."""
-    from bench import alternate
+    from bench import alternate, machine
 
     out = tmp_path / "ab.json"
     fleets = ["--env", "counting:v0", "--processes", "1", "--configs", "4x1", "8x2"]
     timing = ["--rounds", "2", "--warmup-s", "0", "--duration-s", "0.5", "--windows", "2"]
     alternate.main([*fleets, *timing, "--json", str(out)])
-    runs = json.loads(out.read_text())["runs"]
+    written = json.loads(out.read_text())
+    assert written["machine"] == machine.describe() and written["commit"] == machine.commit()
+    assert written["settings"]["configs"] == ["4x1", "8x2"]
+    assert written["settings"]["env"] == "counting:v0" and written["settings"]["rounds"] == 2
+    runs = written["runs"]
     assert list(runs) == ["4x1", "8x2"]
     for rows in runs.values():
         assert len(rows) == 2
@@ -270,6 +274,7 @@ def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path
                 row["env_frames_per_s"] / row["raw_env_frames_per_s"]
             )
             assert row["learner_cpu_us_per_step"] > 0
+            assert isinstance(row["steal"], float) and 0 <= row["steal"] <= 1  # /proc/stat
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["4x1", "8x2"]
     refused = [["--configs", text] for text in ("8", "8x3", "0x1", "ax2")]
