@@ -9,7 +9,7 @@ network, so the wire and the unroll store keep the compact uint8 form.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import flax.linen as nn
@@ -199,8 +199,34 @@ def init_params(
     network takes it as one step of one env, with its first flag and zero state)."""
     if isinstance(network, RecurrentActorCritic):
         first = jnp.ones((1, 1), jnp.bool_)
-        return network.init(key, observation[None], first, network.initial_state(1))
+        params = network.init(key, observation[None], first, network.initial_state(1))
+        return _forget_bias(params, FORGET_BIAS)
     return network.init(key, observation)
+
+
+FORGET_BIAS = 1.0
+"""The LSTM's forget-gate bias at initialisation, as Keras's LSTM cell (SEED's agent) starts
+it, where flax's starts at 0: the gate starts mostly open (sigmoid(1) = 0.73 instead of 0.5),
+so what the cell holds fades over tens of steps instead of a few, and the gradient reaches
+the step that wrote it (docs/architecture.md, "Recurrent agents")."""
+
+
+def _forget_bias(params, value: float):
+    """`params` with `value` added to every LSTM forget gate's bias (flax names it hf)."""
+
+    def visit(tree):
+        if not isinstance(tree, Mapping):
+            return tree
+        return {
+            name: (
+                {**child, "bias": child["bias"] + value}
+                if name == "hf" and isinstance(child, Mapping) and "bias" in child
+                else visit(child)
+            )
+            for name, child in tree.items()
+        }
+
+    return visit(params)
 
 
 class NetworkMismatch(ValueError):

@@ -6,13 +6,14 @@ import json
 import subprocess
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from envs import memory
 from learner.agents.vtrace import learning
 from learner.config import preset_for
-from learner.networks import make_network
+from learner.networks import FORGET_BIAS, _forget_bias, init_params, make_network
 from learner.trainer import stack_unrolls
 from tests.fleet import (
     ROOT,
@@ -47,6 +48,45 @@ def test_the_memory_env_asks_for_the_cue_after_the_delay():
     assert (step.observations[:, :2].sum(axis=1) == 1).all() and not step.rewards.any()
     with pytest.raises(ValueError, match="cue-N"):
         memory.make("cue-0", 1)
+
+
+# -- the core -----------------------------------------------------------------------------
+
+
+def test_the_lstm_starts_with_its_forget_gate_open_so_a_cue_lasts():
+    """init_params sets every forget gate's bias to FORGET_BIAS (the other gates' and the
+    feed-forward network's stay 0), and a cue then lasts longer in the cell's state."""
+    network = make_network("mlp", memory.NUM_CUES, (64,), lstm_size=64)
+    example = jnp.zeros((1, memory.OBSERVATION_SIZE), jnp.float32)
+    params = init_params(network, jax.random.key(0), example)
+    gates = params["params"]["Scan_ResettingLSTM_0"]["OptimizedLSTMCell_0"]
+    np.testing.assert_array_equal(gates["hf"]["bias"], np.full(64, FORGET_BIAS, np.float32))
+    for gate in ("hi", "hg", "ho"):
+        assert not np.asarray(gates[gate]["bias"]).any(), gate
+    feed_forward = make_network("mlp", memory.NUM_CUES, (64,))
+    biases = jax.tree_util.tree_leaves_with_path(
+        init_params(feed_forward, jax.random.key(0), example)
+    )
+    assert all(
+        not np.asarray(leaf).any() for path, leaf in biases if "bias" in jax.tree_util.keystr(path)
+    )
+
+    def cue_left(params) -> float:
+        """How much of the cue's effect on the cell is left 8 blank steps later."""
+        env = memory.make("cue-8", 2, seed=0)
+        step = env.reset()
+        observations = [step.observations]
+        for _ in range(8):
+            observations.append(env.step(np.zeros(2, np.int64)).observations)
+        observations = jnp.asarray(np.stack(observations))  # [9 steps, 2 envs, 4]
+        first = jnp.zeros((9, 2), jnp.bool_).at[0].set(True)
+        # The same blank steps after cue 0 and after cue 1: the cells' difference is the cue.
+        shown = observations.at[0, :, : memory.NUM_CUES].set(jnp.eye(2))
+        _, state = network.apply(params, shown, first, network.initial_state(2))
+        return float(jnp.abs(state[0, 0] - state[1, 0]).mean())
+
+    closed = _forget_bias(params, -FORGET_BIAS)  # flax's own initialisation: bias 0
+    assert cue_left(params) > 3 * cue_left(closed)
 
 
 # -- the core on the device ---------------------------------------------------------------
