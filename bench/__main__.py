@@ -63,12 +63,7 @@ def run_cases(config: BenchConfig) -> dict[str, CaseResult]:
             from bench.network import run
         return run(settings)
 
-    context = {
-        "machine": machine.describe(),
-        "commit": machine.commit(),
-        "settings": dataclasses.asdict(settings),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    context = machine.context(dataclasses.asdict(settings))
     results: dict[str, CaseResult] = {}
     for case in CASES:
         if case not in config.cases:

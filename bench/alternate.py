@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Sequence
 
 from bench import machine
@@ -104,20 +103,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--{error}")
     if args.duration_s <= 0 or args.warmup_s < 0:
         parser.error("--duration-s must be positive and --warmup-s not negative")
-    context = {
-        "machine": machine.describe(),
-        "commit": machine.commit(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": {
-            "env": args.env,
-            "processes": args.processes,
-            "configs": [f"{envs}x{groups}" for envs, groups in args.configs],
-            "rounds": args.rounds,
-            "warmup_s": args.warmup_s,
-            "duration_s": args.duration_s,
-            "windows": args.windows,
-        },
-    }
+    settings = {key: value for key, value in vars(args).items() if key != "json"}
+    context = machine.context({**settings, "configs": [f"{k}x{g}" for k, g in args.configs]})
     runs = alternate(
         args.env,
         args.processes,

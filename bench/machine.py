@@ -6,6 +6,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "grpcio", "protobuf", "numpy", "ale-py", "torch")
@@ -86,4 +87,15 @@ def describe() -> dict:
         "system": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "packages": _versions(),
+    }
+
+
+def context(settings: dict) -> dict:
+    """What every results file carries beside its figures: the machine, the commit, the
+    settings it ran with and when it started."""
+    return {
+        "machine": describe(),
+        "commit": commit(),
+        "settings": settings,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

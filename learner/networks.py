@@ -9,12 +9,13 @@ network, so the wire and the unroll store keep the compact uint8 form.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from learner.ops.strided_conv import conv_general_dilated
 
@@ -213,20 +214,10 @@ the step that wrote it (docs/architecture.md, "Recurrent agents")."""
 
 def _forget_bias(params, value: float):
     """`params` with `value` added to every LSTM forget gate's bias (flax names it hf)."""
-
-    def visit(tree):
-        if not isinstance(tree, Mapping):
-            return tree
-        return {
-            name: (
-                {**child, "bias": child["bias"] + value}
-                if name == "hf" and isinstance(child, Mapping) and "bias" in child
-                else visit(child)
-            )
-            for name, child in tree.items()
-        }
-
-    return visit(params)
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict(
+        {path: leaf + value if path[-2:] == ("hf", "bias") else leaf for path, leaf in flat.items()}
+    )
 
 
 class NetworkMismatch(ValueError):
