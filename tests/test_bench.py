@@ -237,6 +237,26 @@ def test_the_alignment_probe_times_both_sides_of_every_row(capsys):
     assert lines[2].startswith("| policy, 2 rows |")
 
 
+def test_the_onednn_probe_compiles_the_policy_both_ways_and_the_pinned_jaxlib_ignores_it(capsys):
+    """bench.onednn, the A/B behind "oneDNN's convolutions" (docs/benchmarks.md).
+
+    jaxlib 0.10.2 has no oneDNN convolution rewriter, so the option must change
+    nothing. When this fails after a jax upgrade, the option has started to work:
+    measure it (`python -m bench.onednn --step`) and give the policy its
+    convolutions on oneDNN where it wins (docs/benchmarks.md has 0.12's figures).
+    """
+    from bench import onednn
+
+    rows = onednn.main(["--window-s", "0", "--min-rounds", "1", "--batches", "2"])
+    assert [row["what"] for row in rows] == ["policy, 2 rows"]
+    (row,) = rows
+    assert row["shipped_ms"] > 0 and row["onednn_ms"] > 0
+    assert row["speedup"] == pytest.approx(row["shipped_ms"] / row["onednn_ms"])
+    assert not row["onednn_convolutions"], "this jaxlib hands convolutions to oneDNN"
+    assert row["max_difference"] == 0.0
+    assert "policy, 2 rows" in capsys.readouterr().out
+
+
 def test_trivial_rows_end_with_messages_that_fill_an_inference_batch():
     from bench.end_to_end import trivial_configurations
     from learner.config import preset_for
