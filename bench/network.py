@@ -95,14 +95,19 @@ class _Jax:
 
         return call
 
-    def train_step(self, trajectories: learning.Trajectories) -> Timed:
+    def update(self, trajectories: learning.Trajectories) -> tuple[Callable, Any, Any]:
+        """(the jitted V-trace update, its first train state, `trajectories` on the device)."""
         config = self.config
         # The learner's schedule decays linearly; a schedule costs nothing measurable.
         schedule = optax.linear_schedule(config.learning_rate, 0.0, 1_000_000)
         optimizer = optimizer_for(config, schedule)
         update_fn = learning.make_update_fn(self.network.apply, optimizer, loss_settings(config))
-        state = [learning.TrainState(self.params, optimizer.init(self.params), jnp.int32(0))]
-        batch = jax.device_put(trajectories)
+        state = learning.TrainState(self.params, optimizer.init(self.params), jnp.int32(0))
+        return update_fn, state, jax.device_put(trajectories)
+
+    def train_step(self, trajectories: learning.Trajectories) -> Timed:
+        update_fn, first_state, batch = self.update(trajectories)
+        state = [first_state]
 
         def call() -> None:
             state[0], metrics = update_fn(state[0], batch)

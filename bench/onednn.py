@@ -10,7 +10,7 @@ and times them in interleaved rounds (case e's timing, medians of ms per call):
 
 - the learner's policy (Nature CNN, as the learner builds it for a CPU) at each
   of `--batches`;
-- with `--step`, the V-trace train step (T=20 x B=32, case e's).
+- with `--step`, case e's V-trace train step (T=20 x B=32).
 
 Each row says whether any convolution became a oneDNN custom call, and how far
 the two programs' outputs differ:
@@ -26,18 +26,14 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 
-from bench.network import _interleaved, _Jax, _observations, _trajectories
+from bench.network import TRAIN_SHAPE, _interleaved, _Jax, _observations, _trajectories
 from learner import xla_flags
-from learner.agents.vtrace import learning
 from learner.config import PRESETS
-from learner.learner import loss_settings, optimizer_for
 
 ONEDNN_OPTION = "xla_cpu_experimental_onednn_custom_call"
 ONEDNN_CALL_TARGET = "__onednn$convolution"
 """How XLA names a convolution it handed to oneDNN in the compiled program."""
-STEP_SHAPE = (20, 32)
 
 
 def _both_ways(jitted: Callable, *args: Any) -> tuple[Callable, Callable, bool]:
@@ -53,16 +49,12 @@ def _timed(compiled: Callable, *args: Any) -> Callable[[], None]:
 
 
 def _max_difference(a: Any, b: Any) -> float:
-    leaves = jax.tree.leaves(
-        jax.tree.map(
-            lambda x, y: float(
-                np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0)
-            ),
-            a,
-            b,
-        )
+    """The largest absolute difference between two outputs of the same structure."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max(
+        (float(np.max(np.abs(np.subtract(x, y, dtype=np.float64)), initial=0.0)) for x, y in pairs),
+        default=0.0,
     )
-    return max(leaves, default=0.0)
 
 
 def _row(what: str, rewritten: bool, difference: float, timings: dict) -> dict:
@@ -99,15 +91,7 @@ def measure(batches: Sequence[int], step: bool, window_s: float, min_rounds: int
         )
         rows.append(_row(f"policy, {rows_in_batch} rows", rewritten, difference, timings))
     if step:
-        config = PRESETS["atari"]
-        optimizer = optimizer_for(config, optax.linear_schedule(config.learning_rate, 0.0, 10**6))
-        update_fn = learning.make_update_fn(
-            jax_side.network.apply, optimizer, loss_settings(config)
-        )
-        state = learning.TrainState(
-            jax_side.params, optimizer.init(jax_side.params), jax.numpy.int32(0)
-        )
-        batch = jax.device_put(_trajectories(*STEP_SHAPE, rng))
+        update_fn, state, batch = jax_side.update(_trajectories(*TRAIN_SHAPE, rng))
         shipped, onednn, rewritten = _both_ways(update_fn, state, batch)
         difference = _max_difference(shipped(state, batch)[1], onednn(state, batch)[1])
         timings = _interleaved(
@@ -119,7 +103,7 @@ def measure(batches: Sequence[int], step: bool, window_s: float, min_rounds: int
             min_rounds,
             unit_s=1.0,
         )
-        steps, unrolls = STEP_SHAPE
+        steps, unrolls = TRAIN_SHAPE
         rows.append(_row(f"V-trace step, T={steps} x B={unrolls}", rewritten, difference, timings))
     return rows
 

@@ -193,18 +193,6 @@ def core_state_shape(core_size: int) -> tuple[int, int]:
     return (2, core_size)
 
 
-def init_params(
-    network: ActorCritic | RecurrentActorCritic, key: jax.Array, observation: jax.Array
-) -> dict:
-    """The network's initial parameters from one example observation [1, ...] (a recurrent
-    network takes it as one step of one env, with its first flag and zero state)."""
-    if isinstance(network, RecurrentActorCritic):
-        first = jnp.ones((1, 1), jnp.bool_)
-        params = network.init(key, observation[None], first, network.initial_state(1))
-        return _forget_bias(params, FORGET_BIAS)
-    return network.init(key, observation)
-
-
 FORGET_BIAS = 1.0
 """The LSTM's forget-gate bias at initialisation, as Keras's LSTM cell (SEED's agent) starts
 it, where flax's starts at 0: the gate starts mostly open (sigmoid(1) = 0.73 instead of 0.5),
@@ -218,6 +206,18 @@ def _forget_bias(params, value: float):
     return traverse_util.unflatten_dict(
         {path: leaf + value if path[-2:] == ("hf", "bias") else leaf for path, leaf in flat.items()}
     )
+
+
+def init_params(
+    network: ActorCritic | RecurrentActorCritic, key: jax.Array, observation: jax.Array
+) -> dict:
+    """The network's initial parameters from one example observation [1, ...] (a recurrent
+    network takes it as one step of one env, with its first flag and zero state)."""
+    if isinstance(network, RecurrentActorCritic):
+        first = jnp.ones((1, 1), jnp.bool_)
+        params = network.init(key, observation[None], first, network.initial_state(1))
+        return _forget_bias(params, FORGET_BIAS)
+    return network.init(key, observation)
 
 
 class NetworkMismatch(ValueError):
