@@ -1,14 +1,15 @@
 """Case (c) configurations against each other, alternating (docs/benchmarks.md, (c)).
 
 One case (c) row is noisy on a shared machine: its window pairs spread over 0.1-0.3
-of raw env speed. To compare two fleets (for instance actors of K = 128 against
-K = 64, both in two groups), this runs each configuration's `measure_against_raw`
+of raw env speed. To compare two fleets (for instance actors of K = 512 against
+K = 256, both in two groups), this runs each configuration's `measure_against_raw`
 in turn, round after round in one process, so that both see the same stretch of the
 machine, and prints every run's ratio to case (a), the means, and the learner's CPU
-per env step:
+per env step. As in case (c), each learner's inference batch takes a whole message
+(256 envs for 512x2, where Pong's preset takes 64):
 
-    .venv/bin/python -m bench.alternate --configs 128x2 64x2 --rounds 4
-    .venv/bin/python -m bench.alternate --configs 128x2 64x2 --json runs/ab.json
+    .venv/bin/python -m bench.alternate --configs 512x2 128x2 --rounds 4
+    .venv/bin/python -m bench.alternate --configs 512x2 256x2 --json runs/ab.json
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from bench import machine
 from bench.common import alternating
 from bench.end_to_end import measure_against_raw
 
-RUN_KEYS = ("ratio_to_raw", "learner_cpu_us_per_step", "env_frames_per_s", "raw_env_frames_per_s")
+RUN_KEYS = (
+    "ratio_to_raw",
+    "learner_cpu_us_per_step",
+    "env_frames_per_s",
+    "raw_env_frames_per_s",
+    "inference_batch_size",
+)
 
 
 def configuration(text: str) -> tuple[int, int]:
@@ -84,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--configs",
         type=configuration,
         nargs="+",
-        default=[(128, 2), (64, 2)],
+        default=[(512, 2), (128, 2)],
         help="KxG: envs per actor x groups, run in this order every round",
     )
     parser.add_argument("--rounds", type=int, default=4)

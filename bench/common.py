@@ -28,7 +28,8 @@ class Settings:
     processes: int = 0
     """P of cases a, c, d: env processes; 0: one per core."""
     envs_per_process: int = 32
-    """K of cases a, c, d: envs per process (c also splits them in 2 groups of K/2)."""
+    """K of cases a, c, d: envs per process (c's first row; its others are actors of 2 and
+    8 times the env preset's inference batch, in 2 groups)."""
 
 
 @dataclasses.dataclass

@@ -267,10 +267,12 @@ def measure_against_raw(
     ratio come from the same minutes of the machine.
 
     With `learner_cpus`, the learner (this process) runs on those cores and the actors
-    and the raw envs on the others, as a fleet with a learner of its own runs."""
+    and the raw envs on the others, as a fleet with a learner of its own runs. The
+    learner's inference batch takes a whole message (`message_sized_batch`)."""
     from bench import raw_env
 
     fleet_on = alternating(windows)
+    batch_overrides = message_sized_batch(env, num_envs // groups)
     usable = os.sched_getaffinity(0)
     env_cpus = usable
     if learner_cpus is not None:
@@ -286,7 +288,7 @@ def measure_against_raw(
         raw.pause()
         with (
             contextlib.ExitStack() as pinned,
-            serving_fleet(env, processes, num_envs, groups, train=False) as (
+            serving_fleet(env, processes, num_envs, groups, train=False, **batch_overrides) as (
                 learner,
                 config,
                 actor_pids,
@@ -352,6 +354,7 @@ def measure_against_raw(
         "groups": groups,
         "learner_placement": "shared" if learner_cpus is None else "own cores",
         **placement,
+        "inference_batch_size": config.inference_batch_size,
         "windows": windows,
         "window_s": window_s,
         "env_steps_per_s": fleet_fps / frames,
@@ -371,25 +374,51 @@ def measure_against_raw(
     }
 
 
-def trivial_configurations(num_envs: int, short: bool, env: str) -> list[tuple[int, int]]:
-    """Case (c)'s (K, G) rows for actors of `num_envs` envs.
+def message_sized_batch(env: str, envs_per_message: int) -> dict[str, int]:
+    """The learner settings that let one inference batch take a whole message of
+    `envs_per_message` envs, where the env's preset would refuse it (a message is never
+    split across batches); {} where the preset takes it already."""
+    from learner.config import preset_for
 
-    K envs in one message; actors twice as large in two groups, so that a message
-    carries K envs again while one group steps as the other waits; and actors whose
-    two groups each fill the learner's inference batch, the largest message it takes
-    (the learner's costs per message are spread over the most env steps). Rows
-    whose messages would be larger than that batch, or that repeat one before, are
-    left out."""
+    preset = preset_for(env)
+    if envs_per_message <= preset.max_envs_per_stream:
+        return {}
+    return {
+        "inference_batch_size": max(preset.inference_batch_size, envs_per_message),
+        "max_envs_per_actor": max(preset.max_envs_per_actor, envs_per_message),
+    }
+
+
+def trivial_configurations(num_envs: int, short: bool, env: str) -> list[tuple[int, int]]:
+    """Case (c)'s (K, G) rows for actors of `num_envs` envs, the learner sharing the cores.
+
+    K envs in one message, the actor waiting out each round trip; actors whose two
+    groups each fill the env preset's inference batch, so that one group steps while
+    the other waits; and actors four times that size, whose messages fill a batch four
+    times the preset's (the learner's batch is raised to take them:
+    `message_sized_batch`), so that the learner's and the actors' costs per message
+    are spread over four times the env steps. Rows that repeat one before are left out."""
     from learner.config import preset_for
 
     if short:
         return [(num_envs, 1)]
     largest = preset_for(env).max_envs_per_stream
     rows = []
-    for envs, groups in ((num_envs, 1), (2 * num_envs, 2), (2 * largest, 2)):
-        if envs // groups <= largest and (envs, groups) not in rows:
+    for envs, groups in ((num_envs, 1), (2 * largest, 2), (8 * largest, 2)):
+        if (envs, groups) not in rows:
             rows.append((envs, groups))
     return rows
+
+
+def own_core_configuration(rows: list[tuple[int, int]], env: str) -> tuple[int, int]:
+    """The (K, G) of case (c)'s row with the learner on cores of its own: the last of
+    `rows` whose messages the env's preset takes as it is (the preset's own batch), or
+    the last row where none does."""
+    from learner.config import preset_for
+
+    largest = preset_for(env).max_envs_per_stream
+    fitting = [(envs, groups) for envs, groups in rows if envs // groups <= largest]
+    return fitting[-1] if fitting else rows[-1]
 
 
 def run_trivial(settings: Settings) -> CaseResult:
@@ -407,6 +436,7 @@ def run_trivial(settings: Settings) -> CaseResult:
             Column("envs_per_process", "K", "{}"),
             Column("groups", "G", "{}"),
             Column("learner_placement", "learner", "{}"),
+            Column("inference_batch_size", "batch", "{}"),
             Column("env_frames_per_s", "env frames/s"),
             Column("raw_env_frames_per_s", "raw (a) frames/s"),
             Column("ratio_to_raw", "ratio to (a)", "{:.3f}"),
@@ -425,10 +455,10 @@ def run_trivial(settings: Settings) -> CaseResult:
         )
     usable = sorted(os.sched_getaffinity(0))
     if len(usable) >= 2:
-        # The last configuration again, the learner on cores of its own (a quarter, at least
-        # one) and one actor process per remaining core, as fleets run with a learner machine.
+        # The learner on cores of its own (a quarter, at least one) and one actor process
+        # per remaining core, as fleets run with a learner machine; with the preset's batch.
         learner_cpus = set(usable[-max(1, len(usable) // 4) :])
-        envs, groups = configurations[-1]
+        envs, groups = own_core_configuration(configurations, env)
         result.rows.append(
             measure_against_raw(
                 env,

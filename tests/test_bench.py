@@ -257,35 +257,60 @@ def test_the_onednn_probe_compiles_the_policy_both_ways_and_the_pinned_jaxlib_ig
     assert "policy, 2 rows" in capsys.readouterr().out
 
 
-def test_trivial_rows_end_with_messages_that_fill_an_inference_batch():
-    from bench.end_to_end import trivial_configurations
+def test_trivial_rows_end_with_messages_that_fill_a_batch_four_times_the_presets():
+    import dataclasses
+
+    from bench.end_to_end import (
+        message_sized_batch,
+        own_core_configuration,
+        trivial_configurations,
+    )
     from learner.config import preset_for
 
-    largest = preset_for("atari:Pong").max_envs_per_stream
-    for num_envs in (8, 32, largest, 100, 3 * largest):
+    preset = preset_for("atari:Pong")
+    largest = preset.max_envs_per_stream
+    for num_envs in (8, 32, largest, 100, 3 * largest, 8 * largest):
         rows = trivial_configurations(num_envs, False, "atari:Pong")
         assert len(rows) == len(set(rows))
-        # The learner refuses a message larger than its batch, so no row may send one.
-        assert all(envs // groups <= largest for envs, groups in rows)
-        assert rows[-1] == (2 * largest, 2)
-    assert trivial_configurations(32, False, "atari:Pong")[:2] == [(32, 1), (64, 2)]
+        assert rows[-2:] == [(2 * largest, 2), (8 * largest, 2)]
+        for envs, groups in rows:
+            # The learner refuses a message larger than its batch: each row's learner
+            # is made to take its messages whole.
+            config = dataclasses.replace(
+                preset, **message_sized_batch("atari:Pong", envs // groups)
+            )
+            assert envs // groups <= config.max_envs_per_stream
+        # The row on the learner's own cores runs with the preset's batch as it is.
+        assert own_core_configuration(rows, "atari:Pong") == (2 * largest, 2)
+    assert trivial_configurations(32, False, "atari:Pong") == [(32, 1), (128, 2), (512, 2)]
     assert trivial_configurations(8, True, "atari:Pong") == [(8, 1)]
+    assert own_core_configuration([(8, 1)], "atari:Pong") == (8, 1)
+    assert own_core_configuration([(8 * largest, 1)], "atari:Pong") == (8 * largest, 1)
+    # The preset is left as it is wherever it takes the message already.
+    assert message_sized_batch("atari:Pong", largest) == {}
+    assert message_sized_batch("atari:Pong", 4 * largest) == {
+        "inference_batch_size": 4 * largest,
+        "max_envs_per_actor": max(preset.max_envs_per_actor, 4 * largest),
+    }
 
 
 def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path, capsys):
-    """bench.alternate, the A/B behind case (c)'s "64 envs per message against 32"."""
+    """bench.alternate, the A/B behind case (c)'s "Messages of 128 envs"."""
     from bench import alternate, machine
 
     out = tmp_path / "ab.json"
-    fleets = ["--env", "counting:v0", "--processes", "1", "--configs", "4x1", "8x2"]
+    # 256x2: messages of 128 envs, twice what the counting env's preset batches.
+    fleets = ["--env", "counting:v0", "--processes", "1", "--configs", "4x1", "256x2"]
     timing = ["--rounds", "2", "--warmup-s", "0", "--duration-s", "0.5", "--windows", "2"]
     alternate.main([*fleets, *timing, "--json", str(out)])
     written = json.loads(out.read_text())
     assert written["machine"] == machine.describe() and written["commit"] == machine.commit()
-    assert written["settings"]["configs"] == ["4x1", "8x2"]
+    assert written["settings"]["configs"] == ["4x1", "256x2"]
     assert written["settings"]["env"] == "counting:v0" and written["settings"]["rounds"] == 2
     runs = written["runs"]
-    assert list(runs) == ["4x1", "8x2"]
+    assert list(runs) == ["4x1", "256x2"]
+    assert [row["inference_batch_size"] for row in runs["4x1"]] == [64, 64]
+    assert [row["inference_batch_size"] for row in runs["256x2"]] == [128, 128]
     for rows in runs.values():
         assert len(rows) == 2
         for row in rows:
@@ -296,7 +321,7 @@ def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path
             assert row["learner_cpu_us_per_step"] > 0
             assert isinstance(row["steal"], float) and 0 <= row["steal"] <= 1  # /proc/stat
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split("|")[1].strip() for line in lines[2:]] == ["4x1", "8x2"]
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["4x1", "256x2"]
     refused = [["--configs", text] for text in ("8", "8x3", "0x1", "ax2")]
     refused += [["--rounds", "0"], ["--windows", "3"], ["--duration-s", "0"]]
     for bad in refused:
