@@ -295,7 +295,7 @@ def test_trivial_rows_end_with_messages_that_fill_a_batch_four_times_the_presets
 
 
 def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path, capsys):
-    """bench.alternate, the A/B behind case (c)'s "Messages of 128 envs"."""
+    """bench.alternate, the A/B behind case (c)'s "Messages of 256 envs"."""
     from bench import alternate, machine
 
     out = tmp_path / "ab.json"
