@@ -414,10 +414,7 @@ def own_core_configuration(rows: list[tuple[int, int]], env: str) -> tuple[int, 
     """The (K, G) of case (c)'s row with the learner on cores of its own: the last of
     `rows` whose messages the env's preset takes as it is (the preset's own batch), or
     the last row where none does."""
-    from learner.config import preset_for
-
-    largest = preset_for(env).max_envs_per_stream
-    fitting = [(envs, groups) for envs, groups in rows if envs // groups <= largest]
+    fitting = [row for row in rows if not message_sized_batch(env, row[0] // row[1])]
     return fitting[-1] if fitting else rows[-1]
 
 

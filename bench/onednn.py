@@ -57,7 +57,17 @@ def _max_difference(a: Any, b: Any) -> float:
     )
 
 
-def _row(what: str, rewritten: bool, difference: float, timings: dict) -> dict:
+def _compared(
+    what: str, jitted: Callable, args: tuple, output: int, unit_s: float, timing: tuple
+) -> dict:
+    """`jitted` on `args` compiled both ways, compared on its `output`-th result and timed
+    in interleaved rounds (`timing`: window seconds, least rounds): one row."""
+    shipped, onednn, rewritten = _both_ways(jitted, *args)
+    # The same inputs (the policy's key among them): the same actions, unless the logits
+    # moved across a sampling boundary.
+    difference = _max_difference(shipped(*args)[output], onednn(*args)[output])
+    calls = {"shipped": _timed(shipped, *args), "onednn": _timed(onednn, *args)}
+    timings = _interleaved(calls, *timing, unit_s=unit_s)
     shipped_s, onednn_s = timings["shipped"][0], timings["onednn"][0]
     return {
         "what": what,
@@ -73,38 +83,18 @@ def measure(batches: Sequence[int], step: bool, window_s: float, min_rounds: int
     rng = np.random.default_rng(0)
     jax_side = _Jax(PRESETS["atari"])  # case (e)'s network and policy, as the learner's
     key = jax.random.key(1)
+    timing = (window_s, min_rounds)
     rows = []
     for rows_in_batch in batches:
-        observations = jax.device_put(_observations(rows_in_batch, rng))
-        args = (jax_side.params, observations, key)
-        shipped, onednn, rewritten = _both_ways(jax_side.policy_fn, *args)
-        # The same key: the same actions, unless the logits moved across a sampling boundary.
-        difference = _max_difference(shipped(*args)[0], onednn(*args)[0])
-        timings = _interleaved(
-            {
-                "shipped": _timed(shipped, *args),
-                "onednn": _timed(onednn, *args),
-            },
-            window_s,
-            min_rounds,
-            unit_s=0.2,
-        )
-        rows.append(_row(f"policy, {rows_in_batch} rows", rewritten, difference, timings))
+        args = (jax_side.params, jax.device_put(_observations(rows_in_batch, rng)), key)
+        what = f"policy, {rows_in_batch} rows"
+        rows.append(_compared(what, jax_side.policy_fn, args, 0, 0.2, timing))
     if step:
         update_fn, state, batch = jax_side.update(_trajectories(*TRAIN_SHAPE, rng))
-        shipped, onednn, rewritten = _both_ways(update_fn, state, batch)
-        difference = _max_difference(shipped(state, batch)[1], onednn(state, batch)[1])
-        timings = _interleaved(
-            {
-                "shipped": _timed(shipped, state, batch),
-                "onednn": _timed(onednn, state, batch),
-            },
-            window_s,
-            min_rounds,
-            unit_s=1.0,
-        )
         steps, unrolls = TRAIN_SHAPE
-        rows.append(_row(f"V-trace step, T={steps} x B={unrolls}", rewritten, difference, timings))
+        what = f"V-trace step, T={steps} x B={unrolls}"
+        # Output 1: the step's metrics (loss terms, gradient norm).
+        rows.append(_compared(what, update_fn, (state, batch), 1, 1.0, timing))
     return rows
 
 
