@@ -42,6 +42,7 @@ def run_cases(config: BenchConfig) -> dict[str, CaseResult]:
         short=config.short,
         out_dir=out_dir,
         duration_s=2.0 if config.short else config.duration_s,
+        serving_duration_s=2.0 if config.short else config.serving_duration_s,
         warmup_s=1.0 if config.short else config.warmup_s,
         processes=config.processes,
         envs_per_process=8 if config.short else config.envs_per_process,

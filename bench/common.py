@@ -22,7 +22,11 @@ class Settings:
     out_dir: str = ""
     """Where results.json and the plots go; empty: runs/bench-TIMESTAMP."""
     duration_s: float = 20.0
-    """Measured window of each configuration."""
+    """Measured window of each configuration (case (b)'s: `serving_duration_s`)."""
+    serving_duration_s: float = 10.0
+    """Measured window of each case (b) row. Its figures are means over 10^4-10^6 actor
+    steps in one window, with nothing to alternate, so they need less time than (c)'s
+    ratios."""
     warmup_s: float = 5.0
     """Unmeasured time before each window: compilation, connection, caches."""
     processes: int = 0

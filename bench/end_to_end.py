@@ -283,9 +283,10 @@ def measure_against_raw(
                 f"usable cores {sorted(usable)}"
             )
     window_s = 2 * duration_s / windows
-    raw = raw_env.PausableEnvs(env, processes, num_envs)
+    # The raw envs are made while the fleet starts (ale-py takes ~90 ms of CPU per Pong
+    # env, and the learner's start leaves a core idle), and wait for their first window.
+    raw = raw_env.PausableEnvs(env, processes, num_envs, held=True, wait=False)
     try:
-        raw.pause()
         with (
             contextlib.ExitStack() as pinned,
             serving_fleet(env, processes, num_envs, groups, train=False, **batch_overrides) as (
@@ -294,6 +295,7 @@ def measure_against_raw(
                 actor_pids,
             ),
         ):
+            raw.wait_ready()
             if learner_cpus is not None:
                 pin_processes(raw.pids(), env_cpus)
                 pin_processes(actor_pids, env_cpus)

@@ -86,9 +86,12 @@ def measure(env_id: str, processes: int, num_envs: int, warmup_s: float, duratio
     return steps_per_s, steps_per_s * outcomes[0][2]
 
 
-def _stepper(env_id: str, num_envs: int, parent: int, counter, ready) -> None:
+def _stepper(env_id: str, num_envs: int, parent: int, counter, ready, go) -> None:
     _, step = _random_env(env_id, num_envs)
     ready.set()
+    while not go.wait(1.0):
+        if os.getppid() != parent:
+            return
     steps = 0
     while True:
         step()
@@ -106,26 +109,48 @@ class PausableEnvs:
     of a machine whose speed drifts. Env steps are counted in shared memory.
     """
 
-    def __init__(self, env_id: str, processes: int, num_envs: int, ready_timeout_s: float = 120):
+    def __init__(
+        self,
+        env_id: str,
+        processes: int,
+        num_envs: int,
+        ready_timeout_s: float = 120,
+        held: bool = False,
+        wait: bool = True,
+    ):
+        """Starts the processes. `held`: once made, the envs wait for the first `resume`
+        instead of stepping at once. `wait=False` returns while the envs are still being
+        made (call `wait_ready`), so their making can overlap other set-up, as case (c)'s
+        fleet's."""
         from envs import registry
 
         context = multiprocessing.get_context("spawn")
         self.frames_per_step = registry.spec(env_id).frames_per_step
+        self._ready_timeout_s = ready_timeout_s
         self._counters = [context.Value("q", 0, lock=False) for _ in range(processes)]
-        readies = [context.Event() for _ in range(processes)]
+        self._readies = [context.Event() for _ in range(processes)]
+        self._go = context.Event()
+        if not held:
+            self._go.set()
         self._workers = [
             context.Process(
                 target=_stepper,
-                args=(env_id, num_envs, os.getpid(), counter, ready),
+                args=(env_id, num_envs, os.getpid(), counter, ready, self._go),
                 daemon=True,
             )
-            for counter, ready in zip(self._counters, readies, strict=True)
+            for counter, ready in zip(self._counters, self._readies, strict=True)
         ]
         for worker in self._workers:
             worker.start()
-        deadline = time.monotonic() + ready_timeout_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Returns once every process has made its envs; within `ready_timeout_s` of this
+        call, or closes them all and raises."""
+        deadline = time.monotonic() + self._ready_timeout_s
         try:
-            for ready in readies:
+            for ready in self._readies:
                 while not ready.wait(0.5):
                     failed = [w.exitcode for w in self._workers if w.exitcode is not None]
                     if failed or time.monotonic() > deadline:
@@ -149,6 +174,9 @@ class PausableEnvs:
 
     def resume(self) -> None:
         pause_processes(self.pids(), False)
+        # Held envs step from their first resume on. After SIGCONT: setting an event waits
+        # for its waiters to wake, and a stopped one never would.
+        self._go.set()
 
     def close(self) -> None:
         for worker in self._workers:

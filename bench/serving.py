@@ -288,7 +288,12 @@ def run(settings: Settings) -> CaseResult:
         for streams, num_envs in configurations:
             result.rows.append(
                 measure(
-                    streams, num_envs, settings.warmup_s, settings.duration_s, run_dir, per_client
+                    streams,
+                    num_envs,
+                    settings.warmup_s,
+                    settings.serving_duration_s,
+                    run_dir,
+                    per_client,
                 )
             )
     result.notes.append(

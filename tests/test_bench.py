@@ -159,6 +159,34 @@ def test_pausable_envs_stop_counting_while_paused_and_go_on_after():
     assert all(_state(pid) in ("", "Z") for pid in pids)
 
 
+def test_held_pausable_envs_are_made_in_the_background_and_step_from_the_first_resume():
+    from bench.raw_env import PausableEnvs
+
+    envs = PausableEnvs("counting:v0", processes=2, num_envs=4, held=True, wait=False)
+    try:
+        envs.wait_ready()
+        assert all(ready.is_set() for ready in envs._readies)
+        # Made and held: no step is taken before the first resume (watched for 0.3 s).
+        watched_until = time.monotonic() + 0.3
+        while time.monotonic() < watched_until:
+            assert envs.steps() == 0
+        envs.pause()  # as case (c) does before its first raw window: resume must still start
+        envs.resume()
+        wait_until(lambda: envs.steps() > 0, 30, "the envs to step after the first resume")
+    finally:
+        envs.close()
+
+
+def test_pausable_envs_that_cannot_be_made_fail_wait_ready_with_their_exit_codes():
+    from bench.raw_env import PausableEnvs
+
+    # The spec is known, so the constructor returns; each process then fails to make 0 envs.
+    envs = PausableEnvs("counting:v0", processes=2, num_envs=0, held=True, wait=False)
+    with pytest.raises(RuntimeError, match=r"failed to start \(exit codes \[1"):
+        envs.wait_ready()
+    assert all(not worker.is_alive() for worker in envs._workers)
+
+
 def test_pinning_reaches_every_thread_and_the_threads_started_after():
     from bench.common import cpus_of, pin_processes
 
