@@ -3,7 +3,7 @@
 # Usage: scripts/bench.sh [--cases abcde] [--short] [--out-dir DIR] [--duration-s S] ...
 #        (python -m bench --help lists every option)
 # Prints a table per case; writes DIR/results.json and PNG plots (default DIR:
-# runs/bench-TIMESTAMP). About 12-15 minutes on 2 cores by default.
+# runs/bench-TIMESTAMP). About 11-14 minutes on 2 cores by default (13.2 at 133497f).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
