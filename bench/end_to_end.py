@@ -284,7 +284,7 @@ def measure_against_raw(
             )
     window_s = 2 * duration_s / windows
     # The raw envs are made while the fleet starts (ale-py takes ~90 ms of CPU per Pong
-    # env, and the learner's start leaves a core idle), and wait for their first window.
+    # env; their making overlaps the learner's start-up), and wait for their first window.
     raw = raw_env.PausableEnvs(env, processes, num_envs, held=True, wait=False)
     try:
         with (

@@ -89,16 +89,20 @@ def measure(env_id: str, processes: int, num_envs: int, warmup_s: float, duratio
 def _stepper(env_id: str, num_envs: int, parent: int, counter, ready, go) -> None:
     _, step = _random_env(env_id, num_envs)
     ready.set()
+
+    def orphaned() -> bool:
+        return os.getppid() != parent  # the benchmark is gone (killed): do not live on
+
     while not go.wait(1.0):
-        if os.getppid() != parent:
+        if orphaned():
             return
     steps = 0
     while True:
         step()
         counter.value += num_envs  # one writer, read between pauses: no lock needed
         steps += 1
-        if steps % 64 == 0 and os.getppid() != parent:
-            return  # the benchmark is gone (killed): do not step on forever
+        if steps % 64 == 0 and orphaned():
+            return
 
 
 class PausableEnvs:

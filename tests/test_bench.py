@@ -170,7 +170,7 @@ def test_held_pausable_envs_are_made_in_the_background_and_step_from_the_first_r
         watched_until = time.monotonic() + 0.3
         while time.monotonic() < watched_until:
             assert envs.steps() == 0
-        envs.pause()  # as case (c) does before its first raw window: resume must still start
+        envs.pause()  # a pause before the first resume must not keep them held
         envs.resume()
         wait_until(lambda: envs.steps() > 0, 30, "the envs to step after the first resume")
     finally:
