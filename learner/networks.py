@@ -8,7 +8,6 @@ network, so the wire and the unroll store keep the compact uint8 form.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from learner.ops.strided_conv import conv_general_dilated
+from learner.ops.onednn_conv import conv_bias_relu
 
 NetworkName = Literal["nature_cnn", "impala_resnet", "smm_cnn", "mlp"]
 
@@ -27,13 +26,34 @@ def _images_to_float(observations: jax.Array) -> jax.Array:
     return jnp.transpose(observations.astype(jnp.float32) / 255.0, (0, 2, 3, 1))
 
 
+class _ConvReLU(nn.Module):
+    """relu(nn.Conv(padding="VALID")(x)) as one op, with nn.Conv's parameters.
+
+    The parameters have nn.Conv's names, shapes and initialisers, so a network
+    of these has the tree (and, from one key, the values) it had with
+    nn.Conv. The op (ops/onednn_conv.py) runs on oneDNN in the policy on a
+    CPU and otherwise as lax's convolution, strided layers taking their input
+    gradient through space-to-depth (ops/strided_conv.py).
+    """
+
+    features: int
+    kernel_size: tuple[int, int]
+    strides: tuple[int, int]
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = (*self.kernel_size, x.shape[-1], self.features)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        return conv_bias_relu(x, kernel, bias, self.strides)
+
+
 def _nature_layers(x: jax.Array, hidden_size: int) -> jax.Array:
     """The DQN layers on float [B, H, W, C]; called inside a module's compact __call__."""
-    # Strided layers take their input gradient through space-to-depth (ops/strided_conv.py).
-    conv = functools.partial(nn.Conv, padding="VALID", conv_general_dilated=conv_general_dilated)
-    x = nn.relu(conv(32, (8, 8), strides=(4, 4))(x))
-    x = nn.relu(conv(64, (4, 4), strides=(2, 2))(x))
-    x = nn.relu(conv(64, (3, 3), strides=(1, 1))(x))
+    # Named as nn.Conv layers were, so checkpoints keep their parameter tree.
+    x = _ConvReLU(32, (8, 8), (4, 4), name="Conv_0")(x)
+    x = _ConvReLU(64, (4, 4), (2, 2), name="Conv_1")(x)
+    x = _ConvReLU(64, (3, 3), (1, 1), name="Conv_2")(x)
     x = x.reshape(x.shape[0], -1)
     return nn.relu(nn.Dense(hidden_size)(x))
 

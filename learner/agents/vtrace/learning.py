@@ -25,6 +25,7 @@ import optax
 from learner.devices import Placement
 from learner.frame_stack import stack_frames
 from learner.networks import PolicyOutput
+from learner.ops.onednn_conv import for_inference
 from learner.ops.vtrace import vtrace
 from learner.rewards import training_rewards
 
@@ -327,7 +328,8 @@ def make_policy_fn(
     cache: dict = {}
 
     def logits(params: Params, observations: jax.Array) -> jax.Array:
-        return apply_fn(params, observations).logits
+        with for_inference():
+            return apply_fn(params, observations).logits
 
     def policy(
         params: Params, observations: jax.Array, key: jax.Array
@@ -375,7 +377,8 @@ def make_recurrent_policy_fn(
     cache: dict = {}
 
     def core(params, observations, first, state_in):
-        output, state_out = apply_fn(params, observations[None], first[None], state_in)
+        with for_inference():
+            output, state_out = apply_fn(params, observations[None], first[None], state_in)
         return output.logits[0], state_out
 
     def policy(params, observations, first, slots, at_start, states, starts, key):

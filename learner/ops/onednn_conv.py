@@ -1,0 +1,180 @@
+"""The policy's convolutions on oneDNN on a CPU, through an XLA FFI call.
+
+jaxlib 0.10.2 (the newest for Python 3.11) runs CPU convolutions on Eigen's
+kernels, which trail oneDNN's (PyTorch's) on the Nature CNN at the batches
+inference serves: the policy read 0.95-0.99x PyTorch at batches 16 and 64
+(docs/benchmarks.md, case e). jaxlib 0.12 can hand convolutions to oneDNN
+itself, but needs Python 3.12. Until then `native/onednn_conv.cc`, built when
+the package is installed (hatch_build.py), does it: a convolution with its
+bias and ReLU in one oneDNN primitive, the batch cut into one slice per
+thread of XLA's intra-op pool, each slice single-threaded, so the call runs
+on XLA's own threads.
+
+Only the policy uses it (`for_inference`): the train step's convolutions, at
+hundreds of rows with their gradients, are faster on Eigen (case e). A batch
+of one row stays on Eigen too, where oneDNN is no faster. Off a CPU, without
+the native library (another platform, no compiler at install), or with
+SEEDRL_ONEDNN=0, every convolution is lax's, with the same results to
+float32 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import importlib.metadata
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from learner.ops.strided_conv import strided_conv
+
+log = logging.getLogger(__name__)
+
+TARGET = "seedrl_onednn_conv"
+LIBRARY = Path(__file__).parent / "native" / "libseedrl_onednn.so"
+"""Built from native/onednn_conv.cc by hatch_build.py when the package is installed."""
+ONEDNN_DISTRIBUTION = "onednn-cpu-gomp"
+MIN_ROWS = 2
+"""Fewer rows run on Eigen: at one row the oneDNN call is no faster."""
+DISABLE_VARIABLE = "SEEDRL_ONEDNN"
+"""Set to 0 to keep every convolution on XLA's own kernels."""
+
+Pads = tuple[tuple[int, int], ...]
+
+_for_inference: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "seedrl_onednn_for_inference", default=False
+)
+
+
+def _libdnnl() -> Path:
+    """libdnnl.so.3 as the onednn-cpu-gomp wheel installed it (under the environment's lib/)."""
+    files = importlib.metadata.distribution(ONEDNN_DISTRIBUTION).files or []
+    for file in files:
+        if file.name == "libdnnl.so.3":
+            return Path(file.locate()).resolve()
+    raise FileNotFoundError(f"{ONEDNN_DISTRIBUTION} lists no libdnnl.so.3")
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the oneDNN convolution cannot be used in this process, or None when it can.
+
+    The first call loads the libraries and registers the FFI target with XLA.
+    """
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return f"{DISABLE_VARIABLE}=0"
+    if not LIBRARY.exists():
+        return f"{LIBRARY.name} was not built (see hatch_build.py)"
+    try:
+        # Global, so that the FFI library's own reference to libdnnl.so.3 resolves to it.
+        ctypes.CDLL(str(_libdnnl()), mode=ctypes.RTLD_GLOBAL)
+        library = ctypes.CDLL(str(LIBRARY))
+        jax.ffi.register_ffi_target(
+            TARGET, jax.ffi.pycapsule(library.SeedrlOnednnConv), platform="cpu"
+        )
+    except (OSError, AttributeError, importlib.metadata.PackageNotFoundError) as error:
+        reason = f"{LIBRARY.name} did not load: {error}"
+        log.warning("the policy's convolutions stay on XLA's kernels: %s", reason)
+        return reason
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+@contextlib.contextmanager
+def for_inference(enabled: bool = True) -> Iterator[None]:
+    """While tracing inside it, `conv_bias_relu` may use oneDNN (on a CPU, when built)."""
+    token = _for_inference.set(enabled)
+    try:
+        yield
+    finally:
+        _for_inference.reset(token)
+
+
+def _reference(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
+    y = strided_conv(x, kernel, strides, pads) + bias
+    return jax.nn.relu(y) if relu else y
+
+
+def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
+    (kh, kw), (sh, sw) = kernel.shape[:2], strides
+    (top, bottom), (left, right) = pads
+    out_h = (x.shape[1] + top + bottom - kh) // sh + 1
+    out_w = (x.shape[2] + left + right - kw) // sw + 1
+    out = jax.ShapeDtypeStruct((x.shape[0], out_h, out_w, kernel.shape[3]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(
+        x,
+        kernel,
+        bias,
+        stride_h=np.int64(sh),
+        stride_w=np.int64(sw),
+        pad_top=np.int64(top),
+        pad_bottom=np.int64(bottom),
+        pad_left=np.int64(left),
+        pad_right=np.int64(right),
+        relu=bool(relu),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _on_onednn(x, kernel, bias, strides, pads, relu) -> jax.Array:
+    return _ffi(x, kernel, bias, strides, pads, relu)
+
+
+def _on_onednn_forward(x, kernel, bias, strides, pads, relu):
+    return _ffi(x, kernel, bias, strides, pads, relu), (x, kernel, bias)
+
+
+def _on_onednn_backward(strides, pads, relu, residuals, grad):
+    # The policy takes no gradients; should anything differentiate it, lax's gradient.
+    _, vjp = jax.vjp(lambda *args: _reference(*args, strides, pads, relu), *residuals)
+    return vjp(grad)
+
+
+_on_onednn.defvjp(_on_onednn_forward, _on_onednn_backward)
+
+
+def conv_bias_relu(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array,
+    strides: tuple[int, int],
+    pads: Pads = ((0, 0), (0, 0)),
+    relu: bool = True,
+) -> jax.Array:
+    """relu(conv(x, kernel) + bias): NHWC x HWIO -> NHWC, explicit non-negative `pads`.
+
+    On oneDNN where `for_inference` is on, the program runs on a CPU, the arrays
+    are float32, the batch has at least MIN_ROWS rows and the library is
+    available; otherwise lax's convolution (`strided_conv`).
+    """
+    strides = (int(strides[0]), int(strides[1]))
+    pads = tuple((int(low), int(high)) for low, high in pads)
+    reference = functools.partial(_reference, strides=strides, pads=pads, relu=relu)
+    eligible = (
+        _for_inference.get()
+        and x.ndim == 4
+        and x.shape[0] >= MIN_ROWS
+        and all(a.dtype == jnp.float32 for a in (x, kernel, bias))
+        and available()
+    )
+    if not eligible:
+        return reference(x, kernel, bias)
+    return lax.platform_dependent(
+        x,
+        kernel,
+        bias,
+        cpu=lambda *args: _on_onednn(*args, strides, pads, relu),
+        default=reference,
+    )

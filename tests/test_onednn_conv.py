@@ -1,0 +1,226 @@
+"""learner.ops.onednn_conv: the policy's convolutions on oneDNN through XLA's FFI.
+
+The native library is built when the package is installed (hatch_build.py);
+on Linux x86_64 these tests require it, so a build that silently failed
+fails here instead of leaving the policy on the slower kernels.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import hatch_build
+from learner import networks
+from learner.agents.vtrace import learning
+from learner.ops import onednn_conv
+from learner.ops.onednn_conv import conv_bias_relu, for_inference
+
+BUILT_HERE = sys.platform == "linux" and platform.machine() == "x86_64"
+needs_library = pytest.mark.skipif(not BUILT_HERE, reason="oneDNN's wheels are Linux x86_64 only")
+
+
+def _reference(x, kernel, bias, strides, pads, relu):
+    y = (
+        lax.conv_general_dilated(
+            x,
+            kernel,
+            strides,
+            pads,
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            precision=lax.Precision.HIGHEST,
+        )
+        + bias
+    )
+    return jax.nn.relu(y) if relu else y
+
+
+def _arrays(rows, height, width, channels, kernel_size, features, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, height, width, channels), dtype=np.float32)
+    kernel = rng.standard_normal((*kernel_size, channels, features), dtype=np.float32) * 0.2
+    bias = rng.standard_normal((features,), dtype=np.float32)
+    return jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(bias)
+
+
+def _targets(fn, *args) -> int:
+    """How many calls of the oneDNN FFI target the compiled program makes."""
+    return jax.jit(fn).lower(*args).as_text().count(onednn_conv.TARGET)
+
+
+@needs_library
+def test_the_library_was_built_and_loads():
+    assert onednn_conv.unavailable_reason() is None
+    assert onednn_conv.LIBRARY.exists()
+
+
+@needs_library
+@pytest.mark.parametrize(
+    ("rows", "height", "width", "channels", "kernel_size", "features", "strides", "pads", "relu"),
+    [
+        (16, 84, 84, 4, (8, 8), 32, (4, 4), ((0, 0), (0, 0)), True),  # Nature CNN, layer 1
+        (64, 20, 20, 32, (4, 4), 64, (2, 2), ((0, 0), (0, 0)), True),  # layer 2
+        (5, 9, 9, 64, (3, 3), 64, (1, 1), ((0, 0), (0, 0)), True),  # layer 3, uneven slices
+        (3, 11, 7, 3, (3, 2), 5, (1, 2), ((1, 1), (0, 1)), False),  # padded, no ReLU
+        (2, 12, 12, 16, (3, 3), 8, (2, 2), ((1, 1), (1, 1)), True),
+    ],
+)
+def test_equals_lax_where_it_runs_on_onednn(
+    rows, height, width, channels, kernel_size, features, strides, pads, relu
+):
+    x, kernel, bias = _arrays(rows, height, width, channels, kernel_size, features)
+
+    def fast(x, kernel, bias):
+        with for_inference():
+            return conv_bias_relu(x, kernel, bias, strides, pads, relu)
+
+    assert _targets(fast, x, kernel, bias) == 1
+    got = jax.jit(fast)(x, kernel, bias)
+    want = _reference(x, kernel, bias, strides, pads, relu)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if relu:
+        assert float(jnp.min(got)) == 0.0 and float(jnp.max(got)) > 0.0
+
+
+@needs_library
+def test_lax_outside_inference_and_for_one_row():
+    x, kernel, bias = _arrays(8, 20, 20, 32, (4, 4), 64)
+
+    def train_path(x, kernel, bias):
+        return conv_bias_relu(x, kernel, bias, (2, 2))
+
+    def one_row(x, kernel, bias):
+        with for_inference():
+            return conv_bias_relu(x[:1], kernel, bias, (2, 2))
+
+    assert _targets(train_path, x, kernel, bias) == 0
+    assert _targets(one_row, x, kernel, bias) == 0
+    np.testing.assert_allclose(
+        jax.jit(train_path)(x, kernel, bias),
+        _reference(x, kernel, bias, (2, 2), ((0, 0), (0, 0)), True),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@needs_library
+def test_gradient_through_the_onednn_path_is_laxs():
+    x, kernel, bias = _arrays(4, 20, 20, 8, (4, 4), 6)
+    pads = ((0, 0), (0, 0))
+
+    def loss(fast):
+        def f(x, kernel, bias):
+            if fast:
+                with for_inference():
+                    y = conv_bias_relu(x, kernel, bias, (2, 2), pads)
+            else:
+                y = _reference(x, kernel, bias, (2, 2), pads, True)
+            return jnp.sum(jnp.sin(y))
+
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, kernel, bias)
+
+    for got, want in zip(loss(True), loss(False), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_library
+def test_the_handler_rejects_inconsistent_shapes():
+    x, kernel, _ = _arrays(2, 9, 9, 4, (3, 3), 8)
+    wrong_bias = jnp.zeros((7,), jnp.float32)
+    call = jax.ffi.ffi_call(onednn_conv.TARGET, jax.ShapeDtypeStruct((2, 7, 7, 8), jnp.float32))
+    attrs = {name: np.int64(v) for name, v in (("stride_h", 1), ("stride_w", 1))}
+    attrs |= {name: np.int64(0) for name in ("pad_top", "pad_bottom", "pad_left", "pad_right")}
+    with pytest.raises(Exception, match="seedrl_onednn_conv: expects"):
+        jax.block_until_ready(
+            jax.jit(lambda *a: call(*a, **attrs, relu=True))(x, kernel, wrong_bias)
+        )
+
+
+def test_disabled_by_the_environment(monkeypatch):
+    onednn_conv.unavailable_reason.cache_clear()
+    monkeypatch.setenv(onednn_conv.DISABLE_VARIABLE, "0")
+    try:
+        assert onednn_conv.unavailable_reason() == f"{onednn_conv.DISABLE_VARIABLE}=0"
+        x, kernel, bias = _arrays(8, 9, 9, 4, (3, 3), 8)
+
+        def fast(x, kernel, bias):
+            with for_inference():
+                return conv_bias_relu(x, kernel, bias, (1, 1))
+
+        assert _targets(fast, x, kernel, bias) == 0
+    finally:
+        monkeypatch.delenv(onednn_conv.DISABLE_VARIABLE)
+        onednn_conv.unavailable_reason.cache_clear()
+
+
+class _NatureWithFlaxConv(nn.Module):
+    """The Nature CNN as it was written with nn.Conv, for the parameter tree's sake."""
+
+    @nn.compact
+    def __call__(self, observations):
+        x = jnp.transpose(observations.astype(jnp.float32) / 255.0, (0, 2, 3, 1))
+        for features, size, stride in ((32, 8, 4), (64, 4, 2), (64, 3, 1)):
+            x = nn.relu(nn.Conv(features, (size, size), (stride, stride), padding="VALID")(x))
+        x = x.reshape(x.shape[0], -1)
+        return nn.relu(nn.Dense(512)(x))
+
+
+def test_nature_cnn_keeps_nn_convs_parameters():
+    observations = jnp.zeros((1, 4, 84, 84), jnp.uint8)
+    key = jax.random.PRNGKey(3)
+    ours = networks.NatureCNN().init(key, observations)
+    theirs = _NatureWithFlaxConv().init(key, observations)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    frames = jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 4, 84, 84), np.uint8))
+    np.testing.assert_allclose(
+        networks.NatureCNN().apply(ours, frames),
+        _NatureWithFlaxConv().apply(theirs, frames),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@needs_library
+def test_the_policy_uses_it_and_the_train_step_does_not():
+    network = networks.ActorCritic(networks.NatureCNN(), num_actions=6)
+    frames = jnp.asarray(np.random.default_rng(1).integers(0, 256, (16, 4, 84, 84), np.uint8))
+    params = network.init(jax.random.PRNGKey(0), frames[:1])
+    policy = learning.make_policy_fn(network.apply)
+    key = jax.random.PRNGKey(7)
+    assert policy.lower(params, frames, key).as_text().count(onednn_conv.TARGET) == 3
+    step, _ = policy(params, frames, key)
+    # The same draws from the network's logits on XLA's kernels.
+    logits = network.apply(params, frames).logits
+    _, sample_key = jax.random.split(key)
+    want = learning._sample(logits, sample_key)
+    np.testing.assert_array_equal(step.actions, want.actions)
+    np.testing.assert_allclose(step.log_probs, want.log_probs, rtol=1e-5, atol=1e-6)
+
+    def loss(params):
+        return jnp.sum(network.apply(params, frames).values)
+
+    assert jax.jit(jax.grad(loss)).lower(params).as_text().count(onednn_conv.TARGET) == 0
+
+
+def test_the_build_hook_says_why_without_a_compiler(tmp_path, monkeypatch):
+    source = tmp_path / hatch_build.SOURCE
+    source.parent.mkdir(parents=True)
+    source.write_text((Path(hatch_build.__file__).parent / hatch_build.SOURCE).read_text())
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    why_not = hatch_build.build(tmp_path)
+    if BUILT_HERE:
+        assert why_not is not None and "compiler" in why_not
+    else:
+        assert why_not is not None and "Linux x86_64" in why_not
+    assert not (tmp_path / hatch_build.LIBRARY).exists()
