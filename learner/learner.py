@@ -35,7 +35,14 @@ from learner.config import LearnerConfig
 from learner.devices import DeviceError, Placement, digest, prepare_cpu_devices, select_devices
 from learner.inference import InferenceLoop, ParameterSource
 from learner.metrics import MetricsLogger
-from learner.networks import check_network_fits, core_state_shape, init_params, make_network
+from learner.networks import (
+    CONV_RELU_TORSOS,
+    check_network_fits,
+    core_state_shape,
+    init_params,
+    make_network,
+)
+from learner.ops import onednn_conv
 from learner.server import LearnerService
 from learner.stats import RETURN_WINDOW, LearnerStats
 from learner.stop_check import StopCheck
@@ -193,6 +200,12 @@ class Learner:
             idle_timeout_s=config.stream_idle_timeout_s,
         )
         temp_budget = learning.policy_temp_budget(self.placement.inference_device)
+        if self.placement.inference_device.platform == "cpu" and config.network in CONV_RELU_TORSOS:
+            reason = onednn_conv.unavailable_reason()
+            logger.info(
+                "the policy's convolutions run on %s",
+                "oneDNN" if reason is None else f"XLA's own kernels ({reason})",
+            )
         self.inference = InferenceLoop(
             policy_fn=policy_fn
             or (

@@ -19,6 +19,8 @@ from flax import traverse_util
 from learner.ops.onednn_conv import conv_bias_relu
 
 NetworkName = Literal["nature_cnn", "impala_resnet", "smm_cnn", "mlp"]
+CONV_RELU_TORSOS: tuple[NetworkName, ...] = ("nature_cnn", "smm_cnn")
+"""The torsos whose convolutions are `_ConvReLU`s: on oneDNN in the policy on a CPU."""
 
 
 def _images_to_float(observations: jax.Array) -> jax.Array:

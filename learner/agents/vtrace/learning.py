@@ -323,7 +323,8 @@ def make_policy_fn(
     The key is split inside the program, so it never leaves the device. With
     `max_temp_bytes` (`policy_temp_budget`), a batch whose network call would take
     more scratch memory runs the network on chunks of rows that do not; the
-    results are the same rows either way.
+    results are the same rows either way. The network is traced `for_inference`:
+    on a CPU its convolutions may run on oneDNN (ops/onednn_conv.py).
     """
     cache: dict = {}
 

@@ -48,6 +48,15 @@ struct Geometry {
   }
 };
 
+// The first 64-byte boundary in `buffer`, grown to hold `bytes` from there: oneDNN's
+// kernels read and write whole cache lines.
+void* Aligned(std::vector<char>& buffer, size_t bytes) {
+  constexpr size_t kAlign = 64;
+  buffer.resize(bytes + kAlign);
+  auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + (kAlign - address % kAlign) % kAlign;
+}
+
 // One compiled primitive for one geometry, and the reorder of HWIO kernels into
 // the layout it chose.
 struct Primitive {
@@ -168,8 +177,9 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     }
     // The kernel in the layout each primitive chose, reordered once per call per layout.
     thread_local dnnl::stream stream(Engine());
-    thread_local std::vector<std::vector<float>> kernel_copies;
+    thread_local std::vector<std::vector<char>> kernel_copies;
     std::vector<memory::desc> layouts;
+    std::vector<void*> copies;
     std::vector<memory> kernels(count);
     memory user_kernel(primitives[0]->user_kernel, Engine(), kernel.typed_data());
     for (int i = 0; i < count; ++i) {
@@ -178,11 +188,11 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       if (slot == layouts.size()) {
         layouts.push_back(primitives[i]->kernel);
         if (kernel_copies.size() <= slot) kernel_copies.resize(slot + 1);
-        kernel_copies[slot].resize(primitives[i]->kernel.get_size() / sizeof(float) + 1);
-        memory copy(primitives[i]->kernel, Engine(), kernel_copies[slot].data());
+        copies.push_back(Aligned(kernel_copies[slot], primitives[i]->kernel.get_size()));
+        memory copy(primitives[i]->kernel, Engine(), copies[slot]);
         primitives[i]->kernel_reorder.execute(stream, user_kernel, copy);
       }
-      kernels[i] = memory(primitives[i]->kernel, Engine(), kernel_copies[slot].data());
+      kernels[i] = memory(primitives[i]->kernel, Engine(), copies[slot]);
     }
     stream.wait();
 
@@ -196,11 +206,10 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       thread_local std::vector<char> scratchpad;
       const Primitive& p = *primitives[i];
       const int64_t start = i * base + std::min<int64_t>(i, extra);
-      scratchpad.resize(p.scratchpad.get_size() + 1);
       memory src(p.input, Engine(), const_cast<float*>(in + start * in_row));
       memory dst(p.output, Engine(), out + start * out_row);
       memory b(p.bias, Engine(), bias.typed_data());
-      memory pad(p.scratchpad, Engine(), scratchpad.data());
+      memory pad(p.scratchpad, Engine(), Aligned(scratchpad, p.scratchpad.get_size()));
       p.convolution.execute(slice_stream, {{DNNL_ARG_SRC, src},
                                            {DNNL_ARG_WEIGHTS, kernels[i]},
                                            {DNNL_ARG_BIAS, b},
