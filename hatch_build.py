@@ -15,10 +15,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
@@ -45,23 +47,24 @@ def _headers_and_library() -> tuple[Path, Path, Path] | str:
 
 
 def build(root: Path) -> str | None:
-    """Compiles the library under `root` unless it is newer than its source; None when built,
-    else why not."""
+    """Compiles the library under `root`: None when built, else why not.
+
+    It compiles every time the hook runs (about 5 s), which is whenever uv rebuilds
+    the package (pyproject's cache-keys: this file, the source), so a library built
+    against other headers or flags never outlives them.
+    """
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return f"oneDNN's wheels are for Linux x86_64, not {sys.platform} {platform.machine()}"
     source, library = root / SOURCE, root / LIBRARY
-    if library.exists() and library.stat().st_mtime >= source.stat().st_mtime:
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        return "no C++ compiler (g++, or $CXX)"
+    compiler = shlex.split(os.environ.get("CXX", "g++")) or ["g++"]
+    if shutil.which(compiler[0]) is None:
+        return f"no C++ compiler ({compiler[0]}; set $CXX)"
     found = _headers_and_library()
     if isinstance(found, str):
         return found
     xla, dnnl_include, dnnl_lib = found
-    temporary = library.with_suffix(".so.tmp")
     command = [
-        compiler,
+        *compiler,
         "-O2",
         "-std=c++17",
         "-shared",
@@ -69,15 +72,21 @@ def build(root: Path) -> str | None:
         f"-isystem{xla}",
         f"-isystem{dnnl_include}",
         str(source),
-        "-o",
-        str(temporary),
         f"-L{dnnl_lib}",
         "-l:libdnnl.so.3",
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    # A file of its own in the same directory, so concurrent builds do not collide and the
+    # library appears whole or not at all.
+    handle, name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=library.parent)
+    os.close(handle)
+    temporary = Path(name)
+    result = subprocess.run(
+        [*command, "-o", str(temporary)], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         temporary.unlink(missing_ok=True)
         return f"{' '.join(command)} failed:\n{result.stderr[-4000:]}"
+    temporary.chmod(0o755)
     temporary.replace(library)
     return None
 

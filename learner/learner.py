@@ -200,11 +200,17 @@ class Learner:
             idle_timeout_s=config.stream_idle_timeout_s,
         )
         temp_budget = learning.policy_temp_budget(self.placement.inference_device)
-        if self.placement.inference_device.platform == "cpu" and config.network in CONV_RELU_TORSOS:
+        if (
+            policy_fn is None
+            and self.placement.inference_device.platform == "cpu"
+            and config.network in CONV_RELU_TORSOS
+        ):
             reason = onednn_conv.unavailable_reason()
             logger.info(
                 "the policy's convolutions run on %s",
-                "oneDNN" if reason is None else f"XLA's own kernels ({reason})",
+                "oneDNN (batches of 2 rows or more)"
+                if reason is None
+                else f"XLA's own kernels ({reason})",
             )
         self.inference = InferenceLoop(
             policy_fn=policy_fn

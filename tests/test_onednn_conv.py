@@ -7,6 +7,7 @@ fails here instead of leaving the policy on the slower kernels.
 
 from __future__ import annotations
 
+import concurrent.futures
 import platform
 import sys
 from pathlib import Path
@@ -143,6 +144,54 @@ def test_the_handler_rejects_inconsistent_shapes():
         jax.block_until_ready(
             jax.jit(lambda *a: call(*a, **attrs, relu=True))(x, kernel, wrong_bias)
         )
+
+
+@needs_library
+def test_concurrent_calls_from_two_threads():
+    """Two policies' calls at once share the primitives and the kernel reorder."""
+    x, kernel, bias = _arrays(16, 20, 20, 32, (4, 4), 64, seed=4)
+    want = np.asarray(_reference(x, kernel, bias, (2, 2), ((0, 0), (0, 0)), True))
+
+    @jax.jit
+    def fast(x, kernel, bias):
+        with for_inference():
+            return conv_bias_relu(x, kernel, bias, (2, 2))
+
+    fast(x, kernel, bias).block_until_ready()
+
+    def calls(_):
+        return max(
+            float(np.max(np.abs(np.asarray(fast(x, kernel, bias)) - want))) for _ in range(30)
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(calls, range(2)))
+    assert max(errors) < 1e-4
+
+
+@needs_library
+def test_zero_rows():
+    x, kernel, bias = _arrays(2, 9, 9, 4, (3, 3), 8)
+    out = jax.jit(lambda *a: onednn_conv._ffi(*a, (1, 1), ((0, 0), (0, 0)), True))(
+        x[:0], kernel, bias
+    )
+    assert out.shape == (0, 7, 7, 8)
+
+
+@needs_library
+def test_a_library_that_computes_wrong_is_refused(monkeypatch):
+    def off_by_one(*args):
+        return onednn_conv._reference(*args) + 1.0
+
+    onednn_conv.unavailable_reason.cache_clear()
+    monkeypatch.setattr(onednn_conv, "_ffi", off_by_one)
+    try:
+        reason = onednn_conv.unavailable_reason()
+        assert reason is not None and "differs from lax" in reason
+    finally:
+        monkeypatch.undo()
+        onednn_conv.unavailable_reason.cache_clear()
+    assert onednn_conv.unavailable_reason() is None
 
 
 def test_disabled_by_the_environment(monkeypatch):

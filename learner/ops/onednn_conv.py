@@ -20,6 +20,7 @@ float32 rounding.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import ctypes
@@ -64,25 +65,56 @@ def _libdnnl() -> Path:
     raise FileNotFoundError(f"{ONEDNN_DISTRIBUTION} lists no libdnnl.so.3")
 
 
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    # Global, so that the FFI library's own reference to libdnnl.so.3 resolves to it.
+    ctypes.CDLL(str(_libdnnl()), mode=ctypes.RTLD_GLOBAL)
+    library = ctypes.CDLL(str(LIBRARY))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SeedrlOnednnConv), platform="cpu")
+    _registered = True
+
+
+def _self_check() -> None:
+    """One small call against lax's convolution: a library that loads but computes
+    wrong, or fails when called, is refused here rather than in the policy."""
+    rng = np.random.default_rng(0)
+    cpu = jax.devices("cpu")[0]
+    arrays = [
+        jax.device_put(rng.standard_normal(shape, dtype=np.float32), cpu)
+        for shape in ((3, 9, 9, 4), (4, 4, 4, 8), (8,))
+    ]
+    args = ((2, 2), ((1, 0), (0, 1)), True)
+    got = np.asarray(jax.jit(lambda *a: _ffi(*a, *args))(*arrays))
+    want = np.asarray(jax.jit(lambda *a: _reference(*a, *args))(*arrays))
+    error = float(np.max(np.abs(got - want)))
+    if not error <= 1e-4:
+        raise RuntimeError(f"differs from lax's convolution by {error}")
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why the oneDNN convolution cannot be used in this process, or None when it can.
 
-    The first call loads the libraries and registers the FFI target with XLA.
+    The first call loads the libraries, registers the FFI target with XLA and
+    checks one small call against lax's convolution.
     """
     if os.environ.get(DISABLE_VARIABLE, "1") == "0":
         return f"{DISABLE_VARIABLE}=0"
     if not LIBRARY.exists():
         return f"{LIBRARY.name} was not built (see hatch_build.py)"
     try:
-        # Global, so that the FFI library's own reference to libdnnl.so.3 resolves to it.
-        ctypes.CDLL(str(_libdnnl()), mode=ctypes.RTLD_GLOBAL)
-        library = ctypes.CDLL(str(LIBRARY))
-        jax.ffi.register_ffi_target(
-            TARGET, jax.ffi.pycapsule(library.SeedrlOnednnConv), platform="cpu"
-        )
-    except (OSError, AttributeError, importlib.metadata.PackageNotFoundError) as error:
-        reason = f"{LIBRARY.name} did not load: {error}"
+        _register()
+        # On a thread of its own: JAX's tracing state is per thread, and this is
+        # usually first asked while a policy is being traced.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(_self_check).result()
+    except Exception as error:
+        reason = f"{LIBRARY.name} is not usable: {type(error).__name__}: {error}"
         log.warning("the policy's convolutions stay on XLA's kernels: %s", reason)
         return reason
     return None
@@ -94,7 +126,12 @@ def available() -> bool:
 
 @contextlib.contextmanager
 def for_inference(enabled: bool = True) -> Iterator[None]:
-    """While tracing inside it, `conv_bias_relu` may use oneDNN (on a CPU, when built)."""
+    """While tracing inside it, `conv_bias_relu` may use oneDNN (on a CPU, when built).
+
+    It is read when a function is traced, so enter it inside the jitted function
+    (as learning.py's policies do): around a call of a function jitted already,
+    it changes nothing, whichever way that function was first traced.
+    """
     token = _for_inference.set(enabled)
     try:
         yield
@@ -113,7 +150,8 @@ def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> j
     out_h = (x.shape[1] + top + bottom - kh) // sh + 1
     out_w = (x.shape[2] + left + right - kw) // sw + 1
     out = jax.ShapeDtypeStruct((x.shape[0], out_h, out_w, kernel.shape[3]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(
+    # Rows are independent: a vmapped call runs once per mapped element.
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         x,
         kernel,
         bias,

@@ -62,7 +62,7 @@ void* Aligned(std::vector<char>& buffer, size_t bytes) {
 struct Primitive {
   dnnl::convolution_forward convolution;
   dnnl::reorder kernel_reorder;
-  memory::desc input, output, bias, user_kernel, kernel, scratchpad;
+  memory::desc input, output, bias, user_kernel, kernel, scratchpad, reorder_scratchpad;
 };
 
 dnnl::engine& Engine() {
@@ -107,10 +107,14 @@ const Primitive& Compiled(const Geometry& g) {
       Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, input,
       any_kernel, bias, output, {g.stride_h, g.stride_w}, {g.pad_top, g.pad_left},
       {g.pad_bottom, g.pad_right}, attr);
-  dnnl::reorder::primitive_desc reorder(Engine(), user_kernel, Engine(), desc.weights_desc());
+  // The reorder too may run on two threads at once (two calls of the policy).
+  dnnl::primitive_attr reorder_attr;
+  reorder_attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::reorder::primitive_desc reorder(Engine(), user_kernel, Engine(), desc.weights_desc(),
+                                        reorder_attr);
   auto made = std::make_unique<Primitive>(Primitive{
       dnnl::convolution_forward(desc), dnnl::reorder(reorder), input, output, bias, user_kernel,
-      desc.weights_desc(), desc.scratchpad_desc()});
+      desc.weights_desc(), desc.scratchpad_desc(), reorder.scratchpad_desc()});
   const Primitive& result = *made;
   cache.emplace(key, std::move(made));
   return result;
@@ -163,7 +167,9 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const Geometry whole{xd[0],    xd[1],      xd[2],   xd[3],      kd[0],     kd[1],
                        kd[3],    yd[1],      yd[2],   stride_h,   stride_w,  pad_top,
                        pad_bottom, pad_left, pad_right, relu};
+  if (whole.rows == 0) return ffi::Error::Success();
   try {
+    // The calling thread is XLA's; it keeps OpenMP single-threaded from here on.
     SingleThreaded();
     const int threads = std::max<int64_t>(1, pool.num_threads());
     const int count = static_cast<int>(std::min<int64_t>(threads, whole.rows));
@@ -190,7 +196,11 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         if (kernel_copies.size() <= slot) kernel_copies.resize(slot + 1);
         copies.push_back(Aligned(kernel_copies[slot], primitives[i]->kernel.get_size()));
         memory copy(primitives[i]->kernel, Engine(), copies[slot]);
-        primitives[i]->kernel_reorder.execute(stream, user_kernel, copy);
+        thread_local std::vector<char> reorder_scratchpad;
+        const memory::desc& pad_desc = primitives[i]->reorder_scratchpad;
+        memory pad(pad_desc, Engine(), Aligned(reorder_scratchpad, pad_desc.get_size()));
+        primitives[i]->kernel_reorder.execute(
+            stream, {{DNNL_ARG_FROM, user_kernel}, {DNNL_ARG_TO, copy}, {DNNL_ARG_SCRATCHPAD, pad}});
       }
       kernels[i] = memory(primitives[i]->kernel, Engine(), copies[slot]);
     }
@@ -224,7 +234,14 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     // Shared with the pool's tasks, which may start after this call has returned
     // (when this thread took every slice); they then find nothing to do.
     auto slices = std::make_shared<Slices>(count, run);
-    for (int i = 1; i < count; ++i) pool.Schedule([slices] { slices->Work(); });
+    try {
+      for (int i = 1; i < count; ++i) pool.Schedule([slices] { slices->Work(); });
+    } catch (...) {
+      // Tasks already queued read this frame: finish every slice before leaving.
+      slices->Work();
+      slices->Wait();
+      throw;
+    }
     slices->Work();
     slices->Wait();
     if (slices->error) std::rethrow_exception(slices->error);
