@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from learner.ops.strided_conv import strided_conv
+from learner.ops.strided_conv import LAYOUT, conv_general_dilated
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +65,12 @@ def _libdnnl() -> Path:
     raise FileNotFoundError(f"{ONEDNN_DISTRIBUTION} lists no libdnnl.so.3")
 
 
-_registered = False
-
-
+@functools.cache
 def _register() -> None:
-    global _registered
-    if _registered:
-        return
     # Global, so that the FFI library's own reference to libdnnl.so.3 resolves to it.
     ctypes.CDLL(str(_libdnnl()), mode=ctypes.RTLD_GLOBAL)
     library = ctypes.CDLL(str(LIBRARY))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SeedrlOnednnConv), platform="cpu")
-    _registered = True
 
 
 def _self_check() -> None:
@@ -140,16 +134,14 @@ def for_inference(enabled: bool = True) -> Iterator[None]:
 
 
 def _reference(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
-    y = strided_conv(x, kernel, strides, pads) + bias
+    y = conv_general_dilated(x, kernel, strides, pads, dimension_numbers=LAYOUT) + bias
     return jax.nn.relu(y) if relu else y
 
 
 def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
-    (kh, kw), (sh, sw) = kernel.shape[:2], strides
-    (top, bottom), (left, right) = pads
-    out_h = (x.shape[1] + top + bottom - kh) // sh + 1
-    out_w = (x.shape[2] + left + right - kw) // sw + 1
-    out = jax.ShapeDtypeStruct((x.shape[0], out_h, out_w, kernel.shape[3]), jnp.float32)
+    (sh, sw), ((top, bottom), (left, right)) = strides, pads
+    # The result's shape is lax's for the same convolution.
+    out = jax.eval_shape(lambda *a: _reference(*a, strides, pads, relu), x, kernel, bias)
     # Rows are independent: a vmapped call runs once per mapped element.
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         x,
@@ -195,7 +187,7 @@ def conv_bias_relu(
 
     On oneDNN where `for_inference` is on, the program runs on a CPU, the arrays
     are float32, the batch has at least MIN_ROWS rows and the library is
-    available; otherwise lax's convolution (`strided_conv`).
+    available; otherwise lax's convolution (`strided_conv.conv_general_dilated`).
     """
     strides = (int(strides[0]), int(strides[1]))
     pads = tuple((int(low), int(high)) for low, high in pads)

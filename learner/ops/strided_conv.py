@@ -17,9 +17,11 @@ gradient is taken through the stride-1 form, whose gradient needs no
 dilation. Measured on that layer (N = 672 images, in one process): input
 gradient 149 -> 53 ms, forward and weight gradient unchanged.
 
-`conv_general_dilated` has lax's signature and is given to flax's
-`nn.Conv(conv_general_dilated=...)`; what it does not cover (dilation,
-feature groups, layouts other than NHWC/HWIO) goes to lax unchanged.
+`conv_general_dilated` has lax's signature; the Nature and SMM torsos'
+`_ConvReLU` layers take it outside the policy (ops/onednn_conv.py), and it
+can be given to flax's `nn.Conv(conv_general_dilated=...)`. What it does not
+cover (dilation, feature groups, layouts other than NHWC/HWIO) goes to lax
+unchanged.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_LAYOUT = ("NHWC", "HWIO", "NHWC")
+LAYOUT = ("NHWC", "HWIO", "NHWC")
 
 Pads = tuple[tuple[int, int], ...]
 
 
 def _direct(x: jax.Array, kernel: jax.Array, strides: tuple[int, ...], pads: Pads, precision):
     return lax.conv_general_dilated(
-        x, kernel, strides, pads, dimension_numbers=_LAYOUT, precision=precision
+        x, kernel, strides, pads, dimension_numbers=LAYOUT, precision=precision
     )
 
 
@@ -116,7 +118,7 @@ def conv_general_dilated(
         and preferred_element_type is None
         and dimension_numbers is not None
         and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-        == lax.conv_dimension_numbers(lhs.shape, rhs.shape, _LAYOUT)
+        == lax.conv_dimension_numbers(lhs.shape, rhs.shape, LAYOUT)
     )
     if plain:
         if isinstance(padding, str):
