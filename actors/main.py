@@ -13,9 +13,12 @@ from collections.abc import Sequence
 import tyro
 
 from actors.actor import Actor, ActorConfig
+from seedrl import allocator
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # Before anything allocates the step's large blocks (seedrl/allocator.py).
+    allocator.keep_freed_memory()
     config = tyro.cli(ActorConfig, args=argv, prog="seedrl-actor")
     logging.basicConfig(
         level=logging.INFO,
