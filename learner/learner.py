@@ -208,7 +208,7 @@ class Learner:
             reason = onednn_conv.unavailable_reason()
             logger.info(
                 "the policy's convolutions run on %s",
-                "oneDNN (batches of 2 rows or more)"
+                f"oneDNN (batches of {onednn_conv.MIN_ROWS} rows or more)"
                 if reason is None
                 else f"XLA's own kernels ({reason})",
             )

@@ -18,10 +18,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import sys
+import platform
 
 logger = logging.getLogger(__name__)
 
+DISABLE_VARIABLE = "SEEDRL_MALLOPT"
+"""Set to 0, it leaves the allocator as glibc sets it."""
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
@@ -34,19 +36,22 @@ def keep_freed_memory() -> bool:
     """Sets glibc's thresholds (above) for this process; whether they were set. Leaves
     other C libraries, and processes with SEEDRL_MALLOPT=0, as they are. Call it early:
     it holds for every thread, but blocks mapped before it stay mapped."""
-    if os.environ.get("SEEDRL_MALLOPT", "1") == "0" or not sys.platform.startswith("linux"):
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0" or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 (glibc's own symbol: not musl)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    # Setting either turns off glibc's adaptive thresholds, so both are set.
-    done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-    done = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and done
+    # Setting either turns off glibc's adaptive thresholds, so both are set (both calls
+    # made: the list is built before all() reads it).
+    done = all(
+        [
+            mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1,
+            mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1,
+        ]
+    )
     if not done:
         logger.warning("glibc refused the allocator's thresholds; they stay adaptive")
     return done

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from seedrl.allocator import DISABLE_VARIABLE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Blocks of 2 MiB made and freed three at a time, as an actor's step makes its
@@ -31,14 +33,14 @@ print((faults() - before) / 20)
 """
 
 
-def run_probe(**env: str) -> tuple[str, float]:
+def run_probe(disable_variable: str) -> tuple[str, float]:
     output = subprocess.run(
         [sys.executable, "-c", PROBE],
         check=True,
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, **env},
+        env={**os.environ, DISABLE_VARIABLE: disable_variable},
     ).stdout.split()
     return output[0], float(output[1])
 
@@ -50,8 +52,8 @@ glibc_only = pytest.mark.skipif(
 
 @glibc_only
 def test_freed_blocks_are_kept_instead_of_faulted_in_again():
-    default_set, default_faults = run_probe(SEEDRL_MALLOPT="0")
-    kept_set, kept_faults = run_probe(SEEDRL_MALLOPT="1")
+    default_set, default_faults = run_probe("0")
+    kept_set, kept_faults = run_probe("1")
     assert (default_set, kept_set) == ("False", "True")
     # 1,536 pages per round: glibc's adaptive thresholds hand most of them back.
     assert default_faults > 300
