@@ -12,6 +12,12 @@ of an unroll is only bootstrapped from). With S > 1 an unroll carries one
 frame per step and the S-1 frames before its first step, T+S in all; the
 trainer rebuilds the stacks on the device.
 
+An emitted unroll's observations are the slot's own frame buffer, not a copy:
+the slot goes on in a spare buffer, carrying over only the S frames the next
+unroll starts with, and `recycle` gives the buffer back once the trainer has
+stacked it. Copying every unroll's T+S frames out instead was a tenth of the
+learner's memory traffic (docs/benchmarks.md, "Unrolls lent, not copied").
+
 A slot belongs to one stream (one run of one actor). When a stream ends its
 slots are freed and their partial unrolls dropped; a new run gets fresh slots
 and so never continues an old run's unroll. Each slot records its owner, and
@@ -109,9 +115,17 @@ class UnrollStore:
         self._lock = threading.Lock()
         self._capacity = 0
         self._free: deque[int] = deque()
-        # Observation arrays of consumed unrolls, reused for the next ones: fresh
-        # memory for each unroll costs page faults that dwarf the copy itself.
-        self._spare: list[np.ndarray] = []
+        # Every slot's frames live in one of the rows of `_frames`, `_buffer_of[slot]`;
+        # the other rows are lent to emitted unrolls (`_lent`) or spare. Rows of spare
+        # buffers are left untouched until first lent, so they cost no memory before.
+        self._frames = np.zeros((0,), self._observation_spec.np_dtype)
+        self._buffer_of = np.zeros((0,), np.int64)
+        self._lent = np.zeros((0,), np.bool_)
+        self._spare_buffers: list[int] = []
+        # Once no buffer is spare, unrolls are copies; their arrays, given back, are
+        # reused for the next copies (fresh memory would cost more page faults than
+        # the copy itself).
+        self._spare_copies: list[np.ndarray] = []
         self._allocate_arrays(max(1, initial_slots))
 
     # -- slots --------------------------------------------------------------
@@ -121,11 +135,6 @@ class UnrollStore:
         steps = self.unroll_length + 1
         frames = self.unroll_length + self.frame_stack
         layout = {  # name: (shape after the slot dimension, dtype, initial value)
-            "_observations": (
-                (frames, *self._observation_spec.shape),
-                self._observation_spec.np_dtype,
-                0,
-            ),
             "_first": ((frames,), np.bool_, True),
             "_actions": ((steps,), np.int32, 0),
             "_log_probs": ((steps,), np.float32, 0),
@@ -146,8 +155,25 @@ class UnrollStore:
             if self._capacity:
                 grown[: self._capacity] = getattr(self, name)
             setattr(self, name, grown)
+        self._allocate_frames(capacity, frames)
         self._free.extend(range(self._capacity, capacity))
         self._capacity = capacity
+
+    def _allocate_frames(self, capacity: int, frames: int) -> None:
+        """A frame buffer for each of `capacity` slots and as many spares; the slots' own
+        buffers keep their contents. Unrolls lent from the old array keep it alive
+        and are not taken back (`recycle` knows them by their base)."""
+        grown = np.zeros(
+            (2 * capacity, frames, *self._observation_spec.shape),
+            self._observation_spec.np_dtype,
+        )
+        if self._capacity:
+            grown[: self._capacity] = self._frames[self._buffer_of]
+        self._frames = grown
+        self._buffer_of = np.arange(capacity, dtype=np.int64)
+        self._lent = np.zeros(2 * capacity, np.bool_)
+        # Last in, first out: the buffer given back most recently is still in the caches.
+        self._spare_buffers = list(range(2 * capacity - 1, capacity - 1, -1))
 
     def allocate(self, owner: int, count: int) -> np.ndarray:
         """`count` empty slots for the stream `owner`."""
@@ -179,14 +205,30 @@ class UnrollStore:
             return int(np.count_nonzero(transitions)), int(transitions.sum())
 
     def recycle(self, unrolls: list[Unroll]) -> None:
-        """Takes back the observation arrays of unrolls the caller is done with.
+        """Takes back the frame buffers of unrolls the caller is done with.
 
-        Optional (unrolls not given back are simply garbage collected), and only
-        for unrolls nothing refers to any more: their arrays will be overwritten.
+        Only for unrolls nothing refers to any more, views of their observations
+        included: the buffers will be overwritten. Optional: a buffer not given
+        back stays the unroll's, and once none is spare unrolls are emitted as
+        copies (which are garbage collected as usual).
         """
         with self._lock:
-            room = max(0, 2 * self._capacity - len(self._spare))
-            self._spare.extend(unroll.observations for unroll in unrolls[:room])
+            frames = self._frames
+            for unroll in unrolls:
+                observations = unroll.observations
+                if observations.shape != frames.shape[1:] or observations.dtype != frames.dtype:
+                    continue
+                if observations.base is None:  # a copy
+                    if len(self._spare_copies) < 2 * self._capacity:
+                        self._spare_copies.append(observations)
+                    continue
+                if observations.base is not frames:
+                    continue  # lent before the store grew: it stays the unroll's
+                offset = observations.ctypes.data - frames.ctypes.data
+                buffer, rest = divmod(offset, frames.strides[0])
+                if rest == 0 and self._lent[buffer]:
+                    self._lent[buffer] = False
+                    self._spare_buffers.append(buffer)
 
     @property
     def capacity(self) -> int:
@@ -232,6 +274,7 @@ class UnrollStore:
             all_live = bool(live.all())  # the usual case: no masked copies
             length = self._length[slots]
             position = length + (stack - 1)  # where the new frame goes
+            buffers = self._buffer_of[slots]
             if stack == 1:
                 # The policy sees the new observation alone: one copy into `out`, and
                 # the store's copy taken from there.
@@ -240,9 +283,9 @@ class UnrollStore:
                 else:
                     np.concatenate(parts, out=out)
                 if all_live:
-                    self._observations[slots, position] = out
+                    self._frames[buffers, position] = out
                 else:
-                    self._observations[slots[live], position[live]] = out[live]
+                    self._frames[buffers[live], position[live]] = out[live]
                     out[~live] = 0
             else:
                 start = 0
@@ -250,10 +293,10 @@ class UnrollStore:
                     rows = slice(start, start + len(part))
                     start = rows.stop
                     if all_live:
-                        self._observations[slots[rows], position[rows]] = part
+                        self._frames[buffers[rows], position[rows]] = part
                     else:
                         keep = live[rows]
-                        self._observations[slots[rows][keep], position[rows][keep]] = part[keep]
+                        self._frames[buffers[rows][keep], position[rows][keep]] = part[keep]
             mine, at = (slots, position) if all_live else (slots[live], position[live])
             self._first[mine, at] = self._episode_start[mine]
             if first_out is not None:
@@ -263,8 +306,8 @@ class UnrollStore:
             if stack == 1:
                 return live
             window = position[:, None] + np.arange(1 - stack, 1)  # [N, S], oldest first
-            rows = slots[:, None] * self._observations.shape[1] + window
-            frames = self._observations.reshape(-1, *self._observation_spec.shape)
+            rows = buffers[:, None] * self._frames.shape[1] + window
+            frames = self._frames.reshape(-1, *self._observation_spec.shape)
             stacked = out.reshape(num, stack, *self._observation_spec.shape)
             # Every row is in range; "clip" spares numpy's buffered copy of "raise".
             np.take(frames, rows, axis=0, out=stacked, mode="clip")
@@ -329,11 +372,11 @@ class UnrollStore:
         self._episode_start[slots] = step.terminated | step.truncated
         return stats
 
-    def _copy_observations(self, slot: int) -> np.ndarray:
-        source = self._observations[slot]
-        if not self._spare:
+    def _copy_of(self, buffer: int) -> np.ndarray:
+        source = self._frames[buffer]
+        if not self._spare_copies:
             return source.copy()
-        target = self._spare.pop()
+        target = self._spare_copies.pop()
         np.copyto(target, source)
         return target
 
@@ -352,13 +395,25 @@ class UnrollStore:
         """The unrolls of the full `slots`; each slot keeps its last step to start the next."""
         if not len(slots):
             return []
-        last = self.unroll_length
+        last, stack = self.unroll_length, self.frame_stack
+        # Each unroll takes its slot's frame buffer while spares last (the slot goes on
+        # in a spare, from the S frames it carries over), a copy of it after that.
+        lending = min(len(slots), len(self._spare_buffers))
+        spares = [self._spare_buffers.pop() for _ in range(lending)]
+        lent, copied = self._buffer_of[slots[:lending]], self._buffer_of[slots[lending:]]
+        observations = [self._frames[buffer] for buffer in lent.tolist()]
+        observations += [self._copy_of(buffer) for buffer in copied.tolist()]
+        self._frames[spares, :stack] = self._frames[lent, last:]
+        self._frames[copied, :stack] = self._frames[copied, last:]
+        self._buffer_of[slots[:lending]] = spares
+        self._lent[lent] = True
         # One gather per array for all of them; each unroll gets its own row (a view
         # of that copy), rather than ten small copies per unroll.
         per_step = [array[slots] for array in (self._first, *self._step_arrays())]
         unrolls = [
-            Unroll(self._copy_observations(slot), *rows, owner=owner, slot=slot)
-            for slot, owner, rows in zip(
+            Unroll(frames, *rows, owner=owner, slot=slot)
+            for frames, slot, owner, rows in zip(
+                observations,
                 slots.tolist(),
                 self._owner[slots].tolist(),
                 zip(*per_step, strict=True),
@@ -366,8 +421,7 @@ class UnrollStore:
             )
         ]
         # The next unroll starts with this one's last step and the S-1 frames before it.
-        for array in (self._observations, self._first):
-            array[slots, : self.frame_stack] = array[slots, last:]
+        self._first[slots, :stack] = self._first[slots, last:]
         for array in self._step_arrays():
             array[slots, 0] = array[slots, last]
         self._length[slots] = 1

@@ -144,13 +144,12 @@ def test_episode_returns_are_raw_sums_between_ends():
     assert stats.returns == [4.0] and stats.lengths == [1]
 
 
-def test_recycled_observation_arrays_are_reused_and_overwritten_correctly():
-    spec = TensorSpec("float32", (2,))
-    store = UnrollStore(unroll_length=2, observation_spec=spec, initial_slots=1)
-    slots = store.allocate(owner=1, count=1)
-    owners = np.ones(1, np.int64)
+def _one_slot_stepper(store: UnrollStore, owner: int = 1):
+    """A function that takes one step of one slot with observation [value, value]."""
+    slots = store.allocate(owner=owner, count=1)
+    owners = np.full(1, owner, np.int64)
 
-    def step(value: float):
+    def step(value: float) -> list:
         observation = np.full((1, 2), value, np.float32)
         zeros = np.zeros(1, bool)
         return observe_and_append(
@@ -163,15 +162,77 @@ def test_recycled_observation_arrays_are_reused_and_overwritten_correctly():
             0,
         )[0]
 
-    for value in (0.0, 1.0):
+    return step
+
+
+def test_unrolls_are_lent_buffers_until_given_back_then_copies():
+    spec = TensorSpec("float32", (2,))
+    for stack in (1, 3):
+        store = UnrollStore(
+            unroll_length=2, observation_spec=spec, initial_slots=1, frame_stack=stack
+        )
+        step = _one_slot_stepper(store)
+        emitted, expected = [], []
+        for value in range(1, 12):
+            emitted.extend(step(float(value)))
+            if value >= 3 and value % 2 == 1:  # T = 2: unrolls end at 3, 5, 7, ...
+                frames = np.arange(value - 2 - (stack - 1), value + 1, dtype=np.float32)
+                expected.append(np.where(frames > 0, frames, 0.0))  # zeros before the first
+        assert len(emitted) == len(expected) == 5
+        # One slot: one buffer of its own and one spare, so the first unroll is the
+        # spare-swapped buffer and those after it (none given back) are copies.
+        for unroll, frames in zip(emitted, expected, strict=True):
+            np.testing.assert_array_equal(unroll.observations[:, 0], frames)
+        assert emitted[0].observations.base is not None
+        assert all(unroll.observations.base is None for unroll in emitted[1:])
+
+        # Given back, the lent buffer is lent again; a given-back copy is reused for a
+        # copy; the contents are right either way.
+        store.recycle([emitted[0], emitted[1]])
+        store.recycle([emitted[0]])  # twice: ignored
+        lent_memory = emitted[0].observations.ctypes.data
+        copy_memory = emitted[1].observations.ctypes.data
+        more = []
+        for value in range(12, 16):
+            more.extend(step(float(value)))
+        assert [u.observations[-1, 0] for u in more] == [13.0, 15.0]
+        np.testing.assert_array_equal(
+            more[0].observations[:, 0], np.arange(11 - (stack - 1), 14, dtype=np.float32)
+        )
+        np.testing.assert_array_equal(
+            more[1].observations[:, 0], np.arange(13 - (stack - 1), 16, dtype=np.float32)
+        )
+        # The first of these was lent (the slot went on in the buffer given back), the
+        # second copied into the copy given back.
+        assert more[0].observations.base is not None
+        assert more[1].observations is emitted[1].observations
+        assert copy_memory == more[1].observations.ctypes.data
+        store.recycle([more[0]])
+        step(16.0)
+        (last,) = step(17.0)
+        assert last.observations.ctypes.data == lent_memory
+        np.testing.assert_array_equal(
+            last.observations[:, 0], np.arange(15 - (stack - 1), 18, dtype=np.float32)
+        )
+
+
+def test_unrolls_lent_before_the_store_grows_keep_their_frames():
+    spec = TensorSpec("float32", (2,))
+    store = UnrollStore(unroll_length=2, observation_spec=spec, initial_slots=1)
+    step = _one_slot_stepper(store)
+    for value in (1.0, 2.0):
         assert step(value) == []
-    (first,) = step(2.0)
-    np.testing.assert_array_equal(first.observations[:, 0], [0.0, 1.0, 2.0])
-    store.recycle([first])
-    assert step(3.0) == []
-    (second,) = step(4.0)
-    assert second.observations is first.observations  # the array came back
-    np.testing.assert_array_equal(second.observations[:, 0], [2.0, 3.0, 4.0])
+    (before,) = step(3.0)
+    frames = before.observations.copy()
+    store.allocate(owner=2, count=5)  # the store grows: new frame buffers
+    assert store.capacity >= 6
+    store.recycle([before])  # from the old buffers: not taken back
+    after = []
+    for value in range(4, 8):
+        after.extend(step(float(value)))
+    np.testing.assert_array_equal(before.observations, frames)
+    assert [u.observations[:, 0].tolist() for u in after] == [[3.0, 4.0, 5.0], [5.0, 6.0, 7.0]]
+    assert not any(np.shares_memory(before.observations, u.observations) for u in after)
 
 
 def test_clipped_returns_scale_and_clip_each_reward_as_training_does():
