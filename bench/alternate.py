@@ -4,8 +4,8 @@ One case (c) row is noisy on a shared machine: its window pairs spread over 0.1-
 of raw env speed. To compare two fleets (for instance actors of K = 512 against
 K = 256, both in two groups), this runs each configuration's `measure_against_raw`
 in turn, round after round in one process, so that both see the same stretch of the
-machine, and prints every run's ratio to case (a), the means, and the learner's CPU
-per env step. As in case (c), each learner's inference batch takes a whole message
+machine, and prints every run's ratio to case (a), the means, and the CPU each env
+step cost the learner, the actors and case (a)'s envs. As in case (c), each learner's inference batch takes a whole message
 (256 envs for 512x2, where Pong's preset takes 64):
 
     .venv/bin/python -m bench.alternate --configs 512x2 128x2 --rounds 4
@@ -26,6 +26,9 @@ from bench.end_to_end import measure_against_raw
 RUN_KEYS = (
     "ratio_to_raw",
     "learner_cpu_us_per_step",
+    "actors_cpu_us_per_step",
+    "raw_cpu_us_per_step",
+    "cpu_ratio_to_raw",
     "env_frames_per_s",
     "raw_env_frames_per_s",
     "inference_batch_size",
@@ -70,15 +73,20 @@ def alternate(
 
 def table(runs: dict[str, list[dict]]) -> str:
     lines = [
-        "| K x G | ratio to (a), per run | mean | learner CPU us/env step, per run | mean |",
-        "| --- | --- | --- | --- | --- |",
+        "| K x G | ratio to (a), per run | mean | learner CPU us/env step, per run | mean "
+        "| CPU per env step, means: learner + actors vs raw | CPU ratio, mean |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, rows in runs.items():
         ratios = [row["ratio_to_raw"] for row in rows]
         cpu = [row["learner_cpu_us_per_step"] for row in rows]
+        actors = statistics.mean(row["actors_cpu_us_per_step"] for row in rows)
+        raw = statistics.mean(row["raw_cpu_us_per_step"] for row in rows)
+        cpu_ratio = statistics.mean(row["cpu_ratio_to_raw"] for row in rows)
         lines.append(
             f"| {name} | {', '.join(f'{r:.3f}' for r in ratios)} | {statistics.mean(ratios):.3f} "
-            f"| {', '.join(f'{c:.1f}' for c in cpu)} | {statistics.mean(cpu):.1f} |"
+            f"| {', '.join(f'{c:.1f}' for c in cpu)} | {statistics.mean(cpu):.1f} "
+            f"| {statistics.mean(cpu):.1f} + {actors:.0f} vs {raw:.0f} | {cpu_ratio:.3f} |"
         )
     return "\n".join(lines)
 

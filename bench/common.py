@@ -79,6 +79,21 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def processes_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of other, running processes (all their threads), as the
+    kernel counts it (in clock ticks: 10 ms on most kernels)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            # After the command's closing parenthesis: utime and stime are fields 14, 15.
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / _CLOCK_TICKS
+
+
 def pause_processes(pids: list[int], pause: bool) -> None:
     """Stops the processes (SIGSTOP: the kernel runs none of their threads), or lets them
     go on (SIGCONT)."""

@@ -39,6 +39,7 @@ from bench.common import (
     drain_unrolls,
     pause_processes,
     pin_processes,
+    processes_cpu_seconds,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,11 +322,20 @@ def measure_against_raw(
                         raw.resume()
                     time.sleep(SETTLE_S)
                 read = (lambda: learner.stats.counters()["env_steps"]) if on else raw.steps
-                before = read()
+                envs = actor_pids if on else raw.pids()  # the processes that step the envs
+                before, envs_before = read(), processes_cpu_seconds(envs)
                 window = Window()
                 time.sleep(window_s)
                 wall, cpu = window.elapsed()
-                measured.append({"on": on, "steps": read() - before, "wall": wall, "cpu": cpu})
+                measured.append(
+                    {
+                        "on": on,
+                        "steps": read() - before,
+                        "wall": wall,
+                        "cpu": cpu,
+                        "envs_cpu": processes_cpu_seconds(envs) - envs_before,
+                    }
+                )
             record = metrics.record(learner.unrolls.qsize())
             metrics.close()
             streams = list(learner.service.streams.values())
@@ -341,6 +351,14 @@ def measure_against_raw(
     def summed(key: str, on: bool) -> float:
         return sum(window[key] for window in measured if window["on"] == on)
 
+    def per_step_us(key: str, on: bool) -> float:
+        return 1e6 * summed(key, on) / max(summed("steps", on), 1)
+
+    learner_us, actors_us, raw_us = (
+        per_step_us("cpu", True),
+        per_step_us("envs_cpu", True),
+        per_step_us("envs_cpu", False),
+    )
     fleet_fps = frames * summed("steps", True) / summed("wall", True)
     raw_fps = frames * summed("steps", False) / summed("wall", False)
     # Each fleet window against the raw window beside it (0-1, 3-2, 4-5, 7-6, ...):
@@ -365,7 +383,11 @@ def measure_against_raw(
         "ratio_to_raw": fleet_fps / max(raw_fps, 1e-9),
         "ratio_to_raw_per_pair": [round(ratio, 4) for ratio in pairs],
         "learner_cores": summed("cpu", True) / summed("wall", True),
-        "learner_cpu_us_per_step": 1e6 * summed("cpu", True) / max(summed("steps", True), 1),
+        "learner_cpu_us_per_step": learner_us,
+        "actors_cpu_us_per_step": actors_us,
+        "raw_cpu_us_per_step": raw_us,
+        # With every core busy, env steps/s go as the inverse of the CPU each costs.
+        "cpu_ratio_to_raw": raw_us / max(actors_us + learner_us, 1e-9),
         "wire_bytes_per_step": round(wire_bytes_per_step, 1),
         "inference_batch_mean": record["inference_batch_mean"],
         "inference_latency_ms": record["inference_latency_ms"],
@@ -440,6 +462,9 @@ def run_trivial(settings: Settings) -> CaseResult:
             Column("raw_env_frames_per_s", "raw (a) frames/s"),
             Column("ratio_to_raw", "ratio to (a)", "{:.3f}"),
             Column("learner_cpu_us_per_step", "learner us/step", "{:.1f}"),
+            Column("actors_cpu_us_per_step", "actors us/step", "{:.0f}"),
+            Column("raw_cpu_us_per_step", "raw us/step", "{:.0f}"),
+            Column("cpu_ratio_to_raw", "CPU ratio", "{:.3f}"),
             Column("learner_cores", "learner cores", "{:.2f}"),
             Column("wire_bytes_per_step", "bytes/step", "{:.0f}"),
         ],
@@ -481,6 +506,13 @@ def run_trivial(settings: Settings) -> CaseResult:
         "share of the env stack's speed left after transport, batching and unroll assembly. "
         "'own cores': the learner runs on cores of its own, the actors and case (a)'s envs "
         "(one process per core) on the rest, and the ratio is the actors' side of that cost."
+    )
+    result.notes.append(
+        "Where a ratio goes, in CPU per env step over the same windows: 'learner' (this "
+        "process, every thread), 'actors' (the actor processes) and 'raw' (case (a)'s env "
+        "processes, counted by the kernel in clock ticks). With every core busy, 'CPU ratio' "
+        "= raw / (actors + learner) is the ratio those costs alone allow; a ratio below it "
+        "is cores left idle (round trips not hidden), above it is noise."
     )
     return result
 

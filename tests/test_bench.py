@@ -70,6 +70,12 @@ def test_raw_and_end_to_end_cases_measure_frames(short_run):
         assert trivial["ratio_to_raw_per_pair"] == [
             pytest.approx(trivial["ratio_to_raw"], rel=1e-3)
         ]
+        # The CPU split of the same windows: both sides' env processes ran.
+        assert trivial["actors_cpu_us_per_step"] > 0 and trivial["raw_cpu_us_per_step"] > 0
+        assert trivial["cpu_ratio_to_raw"] == pytest.approx(
+            trivial["raw_cpu_us_per_step"]
+            / (trivial["actors_cpu_us_per_step"] + trivial["learner_cpu_us_per_step"])
+        )
     # Where the threads ran, as the kernel reported it during the run: everything on every
     # core; then the learner on cores of its own, one actor process per other core.
     assert rows[0]["learner_cpus"] == rows[0]["env_cpus"] == usable
@@ -225,6 +231,39 @@ def test_pinning_reaches_every_thread_and_the_threads_started_after():
         child.wait(timeout=30)
 
 
+def test_other_processes_cpu_time_is_read_from_the_kernel():
+    from bench.common import processes_cpu_seconds
+
+    # Two children: one burns 0.5 s of CPU before it reports, one only waits.
+    burn = (
+        "import time\n"
+        "start = time.process_time()\n"
+        "while time.process_time() - start < 0.5: pass\n"
+        "print(flush=True)\n"
+        "input()\n"
+    )
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for script in (burn, "print(flush=True); input()")
+    ]
+    try:
+        for child in children:
+            child.stdout.readline()
+        burner, idle = (child.pid for child in children)
+        started = time.perf_counter()
+        burnt = processes_cpu_seconds([burner])
+        assert 0.45 <= burnt <= 0.5 + 1.0  # its burn and its interpreter's start-up
+        assert processes_cpu_seconds([idle]) < burnt - 0.4
+        assert processes_cpu_seconds([burner, idle]) >= burnt
+        assert time.perf_counter() - started < 5  # reading /proc is cheap
+    finally:
+        for child in children:
+            child.kill()
+            child.wait(timeout=30)
+
+
 def test_pausable_envs_end_when_the_benchmark_is_killed():
     script = (
         "from bench.raw_env import PausableEnvs\n"
@@ -346,7 +385,8 @@ def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path
             assert row["ratio_to_raw"] == pytest.approx(
                 row["env_frames_per_s"] / row["raw_env_frames_per_s"]
             )
-            assert row["learner_cpu_us_per_step"] > 0
+            assert row["learner_cpu_us_per_step"] > 0 and row["raw_cpu_us_per_step"] > 0
+            assert row["actors_cpu_us_per_step"] > 0 and row["cpu_ratio_to_raw"] > 0
             assert isinstance(row["steal"], float) and 0 <= row["steal"] <= 1  # /proc/stat
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["4x1", "256x2"]
