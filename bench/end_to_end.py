@@ -386,8 +386,10 @@ def measure_against_raw(
         "learner_cpu_us_per_step": learner_us,
         "actors_cpu_us_per_step": actors_us,
         "raw_cpu_us_per_step": raw_us,
-        # With every core busy, env steps/s go as the inverse of the CPU each costs.
-        "cpu_ratio_to_raw": raw_us / max(actors_us + learner_us, 1e-9),
+        # With every core busy, env steps/s go as the inverse of the CPU each costs on the
+        # envs' cores (the learner's too where it shares them).
+        "cpu_ratio_to_raw": raw_us
+        / max(actors_us + (learner_us if learner_cpus is None else 0.0), 1e-9),
         "wire_bytes_per_step": round(wire_bytes_per_step, 1),
         "inference_batch_mean": record["inference_batch_mean"],
         "inference_latency_ms": record["inference_latency_ms"],
@@ -511,8 +513,9 @@ def run_trivial(settings: Settings) -> CaseResult:
         "Where a ratio goes, in CPU per env step over the same windows: 'learner' (this "
         "process, every thread), 'actors' (the actor processes) and 'raw' (case (a)'s env "
         "processes, counted by the kernel in clock ticks). With every core busy, 'CPU ratio' "
-        "= raw / (actors + learner) is the ratio those costs alone allow; a ratio below it "
-        "is cores left idle (round trips not hidden), above it is noise."
+        "= raw / (actors + learner), or raw / actors with the learner on cores of its own, "
+        "is the ratio those costs alone allow; a ratio below it is the envs' cores left "
+        "idle (round trips not hidden)."
     )
     return result
 

@@ -72,9 +72,10 @@ def test_raw_and_end_to_end_cases_measure_frames(short_run):
         ]
         # The CPU split of the same windows: both sides' env processes ran.
         assert trivial["actors_cpu_us_per_step"] > 0 and trivial["raw_cpu_us_per_step"] > 0
+        shared = trivial["learner_placement"] == "shared"  # then the learner's CPU counts
         assert trivial["cpu_ratio_to_raw"] == pytest.approx(
             trivial["raw_cpu_us_per_step"]
-            / (trivial["actors_cpu_us_per_step"] + trivial["learner_cpu_us_per_step"])
+            / (trivial["actors_cpu_us_per_step"] + shared * trivial["learner_cpu_us_per_step"])
         )
     # Where the threads ran, as the kernel reported it during the run: everything on every
     # core; then the learner on cores of its own, one actor process per other core.
