@@ -31,6 +31,7 @@ and clipped), since the store sees every step of every env in order.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -42,6 +43,8 @@ from learner.frame_stack import window_validity
 from learner.rewards import REWARD_CLIPPINGS, training_rewards
 from seedrl.codec import EnvStep
 from seedrl.specs import TensorSpec
+
+logger = logging.getLogger(__name__)
 
 FREE = -1
 
@@ -116,16 +119,19 @@ class UnrollStore:
         self._capacity = 0
         self._free: deque[int] = deque()
         # Every slot's frames live in one of the rows of `_frames`, `_buffer_of[slot]`;
-        # the other rows are lent to emitted unrolls (`_lent`) or spare. Rows of spare
-        # buffers are left untouched until first lent, so they cost no memory before.
+        # the other rows are lent to emitted unrolls (`_lent_to`: the array each was
+        # lent as) or spare. Spare rows are left untouched until a slot first goes on
+        # in one, so they cost no memory before.
         self._frames = np.zeros((0,), self._observation_spec.np_dtype)
         self._buffer_of = np.zeros((0,), np.int64)
-        self._lent = np.zeros((0,), np.bool_)
+        self._lent_to: list[np.ndarray | None] = []
         self._spare_buffers: list[int] = []
         # Once no buffer is spare, unrolls are copies; their arrays, given back, are
         # reused for the next copies (fresh memory would cost more page faults than
         # the copy itself).
         self._spare_copies: list[np.ndarray] = []
+        self._spare_copy_ids: set[int] = set()
+        self._copied_unrolls = 0
         self._allocate_arrays(max(1, initial_slots))
 
     # -- slots --------------------------------------------------------------
@@ -171,7 +177,7 @@ class UnrollStore:
             grown[: self._capacity] = self._frames[self._buffer_of]
         self._frames = grown
         self._buffer_of = np.arange(capacity, dtype=np.int64)
-        self._lent = np.zeros(2 * capacity, np.bool_)
+        self._lent_to = [None] * (2 * capacity)
         # Last in, first out: the buffer given back most recently is still in the caches.
         self._spare_buffers = list(range(2 * capacity - 1, capacity - 1, -1))
 
@@ -208,27 +214,40 @@ class UnrollStore:
         """Takes back the frame buffers of unrolls the caller is done with.
 
         Only for unrolls nothing refers to any more, views of their observations
-        included: the buffers will be overwritten. Optional: a buffer not given
-        back stays the unroll's, and once none is spare unrolls are emitted as
-        copies (which are garbage collected as usual).
+        included: the buffers will be overwritten. An unroll given back twice is
+        taken back once. Optional: a buffer not given back stays the unroll's, and
+        once none is spare unrolls are emitted as copies (`copied_unrolls`; garbage
+        collected as usual where not given back).
         """
         with self._lock:
             frames = self._frames
             for unroll in unrolls:
                 observations = unroll.observations
-                if observations.shape != frames.shape[1:] or observations.dtype != frames.dtype:
-                    continue
                 if observations.base is None:  # a copy
-                    if len(self._spare_copies) < 2 * self._capacity:
+                    if (
+                        observations.shape == frames.shape[1:]
+                        and observations.dtype == frames.dtype
+                        and observations.flags.writeable
+                        and id(observations) not in self._spare_copy_ids
+                        and len(self._spare_copies) < 2 * self._capacity
+                    ):
                         self._spare_copies.append(observations)
+                        self._spare_copy_ids.add(id(observations))
                     continue
-                if observations.base is not frames:
-                    continue  # lent before the store grew: it stays the unroll's
-                offset = observations.ctypes.data - frames.ctypes.data
-                buffer, rest = divmod(offset, frames.strides[0])
-                if rest == 0 and self._lent[buffer]:
-                    self._lent[buffer] = False
+                if observations.base is not frames or not frames.strides[0]:
+                    continue  # not the store's, or lent before the store grew
+                buffer = (observations.ctypes.data - frames.ctypes.data) // frames.strides[0]
+                # Only the very array the row was lent as: a stale unroll given back
+                # again after its row was lent anew must not free it.
+                if 0 <= buffer < len(self._lent_to) and self._lent_to[buffer] is observations:
+                    self._lent_to[buffer] = None
                     self._spare_buffers.append(buffer)
+
+    @property
+    def copied_unrolls(self) -> int:
+        """Unrolls emitted as copies because no frame buffer was spare (unrolls kept and
+        not given back hold theirs)."""
+        return self._copied_unrolls
 
     @property
     def capacity(self) -> int:
@@ -377,6 +396,7 @@ class UnrollStore:
         if not self._spare_copies:
             return source.copy()
         target = self._spare_copies.pop()
+        self._spare_copy_ids.discard(id(target))
         np.copyto(target, source)
         return target
 
@@ -406,7 +426,16 @@ class UnrollStore:
         self._frames[spares, :stack] = self._frames[lent, last:]
         self._frames[copied, :stack] = self._frames[copied, last:]
         self._buffer_of[slots[:lending]] = spares
-        self._lent[lent] = True
+        for buffer, array in zip(lent.tolist(), observations, strict=False):
+            self._lent_to[buffer] = array
+        if len(copied):
+            if not self._copied_unrolls:
+                logger.info(
+                    "no spare frame buffer: unrolls are copied (more than %d held and not "
+                    "given back with recycle)",
+                    self._capacity,
+                )
+            self._copied_unrolls += len(copied)
         # One gather per array for all of them; each unroll gets its own row (a view
         # of that copy), rather than ten small copies per unroll.
         per_step = [array[slots] for array in (self._first, *self._step_arrays())]

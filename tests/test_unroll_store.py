@@ -188,8 +188,9 @@ def test_unrolls_are_lent_buffers_until_given_back_then_copies():
 
         # Given back, the lent buffer is lent again; a given-back copy is reused for a
         # copy; the contents are right either way.
-        store.recycle([emitted[0], emitted[1]])
-        store.recycle([emitted[0]])  # twice: ignored
+        assert store.copied_unrolls == 4
+        store.recycle([emitted[0], emitted[1], emitted[1]])
+        store.recycle([emitted[0], emitted[1]])  # again: ignored
         lent_memory = emitted[0].observations.ctypes.data
         copy_memory = emitted[1].observations.ctypes.data
         more = []
@@ -207,10 +208,21 @@ def test_unrolls_are_lent_buffers_until_given_back_then_copies():
         assert more[0].observations.base is not None
         assert more[1].observations is emitted[1].observations
         assert copy_memory == more[1].observations.ctypes.data
+        assert store.copied_unrolls == 5
         store.recycle([more[0]])
         step(16.0)
         (last,) = step(17.0)
         assert last.observations.ctypes.data == lent_memory
+        np.testing.assert_array_equal(
+            last.observations[:, 0], np.arange(15 - (stack - 1), 18, dtype=np.float32)
+        )
+        # A stale unroll of that row given back again while the row is lent anew (to
+        # `last`) frees nothing: the next unroll is a copy and `last` keeps its frames.
+        store.recycle([emitted[0]])
+        step(18.0)
+        (after,) = step(19.0)
+        assert after.observations.base is None and store.copied_unrolls == 6
+        assert after.observations is not emitted[1].observations  # given back only once
         np.testing.assert_array_equal(
             last.observations[:, 0], np.arange(15 - (stack - 1), 18, dtype=np.float32)
         )
