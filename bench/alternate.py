@@ -5,8 +5,9 @@ of raw env speed. To compare two fleets (for instance actors of K = 512 against
 K = 256, both in two groups), this runs each configuration's `measure_against_raw`
 in turn, round after round in one process, so that both see the same stretch of the
 machine, and prints every run's ratio to case (a), the means, and the CPU each env
-step cost the learner, the actors and case (a)'s envs. As in case (c), each learner's inference batch takes a whole message
-(256 envs for 512x2, where Pong's preset takes 64):
+step cost the learner, the actors and case (a)'s envs. As in case (c), each learner's
+inference batch takes a whole message (256 envs for 512x2, where Pong's preset takes
+64):
 
     .venv/bin/python -m bench.alternate --configs 512x2 128x2 --rounds 4
     .venv/bin/python -m bench.alternate --configs 512x2 256x2 --json runs/ab.json
@@ -74,7 +75,7 @@ def alternate(
 def table(runs: dict[str, list[dict]]) -> str:
     lines = [
         "| K x G | ratio to (a), per run | mean | learner CPU us/env step, per run | mean "
-        "| CPU per env step, means: learner + actors vs raw | CPU ratio, mean |",
+        "| actors vs raw CPU us/env step, means | CPU ratio, mean |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, rows in runs.items():
@@ -86,7 +87,7 @@ def table(runs: dict[str, list[dict]]) -> str:
         lines.append(
             f"| {name} | {', '.join(f'{r:.3f}' for r in ratios)} | {statistics.mean(ratios):.3f} "
             f"| {', '.join(f'{c:.1f}' for c in cpu)} | {statistics.mean(cpu):.1f} "
-            f"| {statistics.mean(cpu):.1f} + {actors:.0f} vs {raw:.0f} | {cpu_ratio:.3f} |"
+            f"| {actors:.0f} vs {raw:.0f} | {cpu_ratio:.3f} |"
         )
     return "\n".join(lines)
 

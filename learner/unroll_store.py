@@ -119,18 +119,18 @@ class UnrollStore:
         self._capacity = 0
         self._free: deque[int] = deque()
         # Every slot's frames live in one of the rows of `_frames`, `_buffer_of[slot]`;
-        # the other rows are lent to emitted unrolls (`_lent_to`: the array each was
-        # lent as) or spare. Spare rows are left untouched until a slot first goes on
-        # in one, so they cost no memory before.
+        # the other rows are lent to emitted unrolls or spare. `_lent` maps the id of
+        # each array lent to (that array, its row): only that very array gives the row
+        # back. Spare rows are left untouched until a slot first goes on in one, so
+        # they cost no memory before.
         self._frames = np.zeros((0,), self._observation_spec.np_dtype)
         self._buffer_of = np.zeros((0,), np.int64)
-        self._lent_to: list[np.ndarray | None] = []
+        self._lent: dict[int, tuple[np.ndarray, int]] = {}
         self._spare_buffers: list[int] = []
-        # Once no buffer is spare, unrolls are copies; their arrays, given back, are
-        # reused for the next copies (fresh memory would cost more page faults than
+        # Once no buffer is spare, unrolls are copies; their arrays, given back (by id),
+        # are reused for the next copies (fresh memory would cost more page faults than
         # the copy itself).
-        self._spare_copies: list[np.ndarray] = []
-        self._spare_copy_ids: set[int] = set()
+        self._spare_copies: dict[int, np.ndarray] = {}
         self._copied_unrolls = 0
         self._allocate_arrays(max(1, initial_slots))
 
@@ -168,16 +168,16 @@ class UnrollStore:
     def _allocate_frames(self, capacity: int, frames: int) -> None:
         """A frame buffer for each of `capacity` slots and as many spares; the slots' own
         buffers keep their contents. Unrolls lent from the old array keep it alive
-        and are not taken back (`recycle` knows them by their base)."""
+        and are not taken back (they are no longer in `_lent`)."""
         grown = np.zeros(
             (2 * capacity, frames, *self._observation_spec.shape),
             self._observation_spec.np_dtype,
         )
         if self._capacity:
-            grown[: self._capacity] = self._frames[self._buffer_of]
+            np.take(self._frames, self._buffer_of, axis=0, out=grown[: self._capacity])
         self._frames = grown
         self._buffer_of = np.arange(capacity, dtype=np.int64)
-        self._lent_to = [None] * (2 * capacity)
+        self._lent = {}
         # Last in, first out: the buffer given back most recently is still in the caches.
         self._spare_buffers = list(range(2 * capacity - 1, capacity - 1, -1))
 
@@ -220,28 +220,21 @@ class UnrollStore:
         collected as usual where not given back).
         """
         with self._lock:
-            frames = self._frames
             for unroll in unrolls:
                 observations = unroll.observations
-                if observations.base is None:  # a copy
-                    if (
-                        observations.shape == frames.shape[1:]
-                        and observations.dtype == frames.dtype
-                        and observations.flags.writeable
-                        and id(observations) not in self._spare_copy_ids
-                        and len(self._spare_copies) < 2 * self._capacity
-                    ):
-                        self._spare_copies.append(observations)
-                        self._spare_copy_ids.add(id(observations))
-                    continue
-                if observations.base is not frames or not frames.strides[0]:
-                    continue  # not the store's, or lent before the store grew
-                buffer = (observations.ctypes.data - frames.ctypes.data) // frames.strides[0]
-                # Only the very array the row was lent as: a stale unroll given back
-                # again after its row was lent anew must not free it.
-                if 0 <= buffer < len(self._lent_to) and self._lent_to[buffer] is observations:
-                    self._lent_to[buffer] = None
+                array, buffer = self._lent.get(id(observations), (None, -1))
+                if array is observations:
+                    del self._lent[id(observations)]
                     self._spare_buffers.append(buffer)
+                elif (
+                    observations.base is None  # a copy
+                    and observations.shape == self._frames.shape[1:]
+                    and observations.dtype == self._frames.dtype
+                    and observations.flags.writeable
+                    and id(observations) not in self._spare_copies
+                    and len(self._spare_copies) < 2 * self._capacity
+                ):
+                    self._spare_copies[id(observations)] = observations
 
     @property
     def copied_unrolls(self) -> int:
@@ -395,8 +388,7 @@ class UnrollStore:
         source = self._frames[buffer]
         if not self._spare_copies:
             return source.copy()
-        target = self._spare_copies.pop()
-        self._spare_copy_ids.discard(id(target))
+        _, target = self._spare_copies.popitem()
         np.copyto(target, source)
         return target
 
@@ -421,13 +413,15 @@ class UnrollStore:
         lending = min(len(slots), len(self._spare_buffers))
         spares = [self._spare_buffers.pop() for _ in range(lending)]
         lent, copied = self._buffer_of[slots[:lending]], self._buffer_of[slots[lending:]]
-        observations = [self._frames[buffer] for buffer in lent.tolist()]
+        observations = []
+        for buffer in lent.tolist():
+            view = self._frames[buffer]
+            self._lent[id(view)] = (view, buffer)
+            observations.append(view)
         observations += [self._copy_of(buffer) for buffer in copied.tolist()]
         self._frames[spares, :stack] = self._frames[lent, last:]
         self._frames[copied, :stack] = self._frames[copied, last:]
         self._buffer_of[slots[:lending]] = spares
-        for buffer, array in zip(lent.tolist(), observations, strict=False):
-            self._lent_to[buffer] = array
         if len(copied):
             if not self._copied_unrolls:
                 logger.info(
