@@ -4,8 +4,9 @@ One case (c) row is noisy on a shared machine: its window pairs spread over 0.1-
 of raw env speed. To compare two fleets (for instance actors of K = 512 against
 K = 256, both in two groups), this runs each configuration's `measure_against_raw`
 in turn, round after round in one process, so that both see the same stretch of the
-machine, and prints every run's ratio to case (a), the means, and the CPU each env
-step cost the learner, the actors and case (a)'s envs. As in case (c), each learner's
+machine, and prints every run's ratio to case (a), their mean with its 95% confidence
+interval (the runs taken as independent measurements), and the CPU each env step cost
+the learner, the actors and case (a)'s envs. As in case (c), each learner's
 inference batch takes a whole message (256 envs for 512x2, where Pong's preset takes
 64):
 
@@ -21,11 +22,12 @@ import statistics
 from collections.abc import Sequence
 
 from bench import machine
-from bench.common import alternating
+from bench.common import alternating, mean_interval
 from bench.end_to_end import measure_against_raw
 
 RUN_KEYS = (
     "ratio_to_raw",
+    "ratio_to_raw_ci95",
     "learner_cpu_us_per_step",
     "actors_cpu_us_per_step",
     "raw_cpu_us_per_step",
@@ -74,18 +76,22 @@ def alternate(
 
 def table(runs: dict[str, list[dict]]) -> str:
     lines = [
-        "| K x G | ratio to (a), per run | mean | learner CPU us/env step, per run | mean "
+        "| K x G | ratio to (a), per run | mean | 95% CI of the mean "
+        "| learner CPU us/env step, per run | mean "
         "| actors vs raw CPU us/env step, means | CPU ratio, mean |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, rows in runs.items():
         ratios = [row["ratio_to_raw"] for row in rows]
+        # The runs as independent measurements of one ratio (Student's t over them).
+        mean, half = mean_interval(ratios)
+        interval = "-" if half is None else f"{mean - half:.3f}-{mean + half:.3f}"
         cpu = [row["learner_cpu_us_per_step"] for row in rows]
         actors = statistics.mean(row["actors_cpu_us_per_step"] for row in rows)
         raw = statistics.mean(row["raw_cpu_us_per_step"] for row in rows)
         cpu_ratio = statistics.mean(row["cpu_ratio_to_raw"] for row in rows)
         lines.append(
-            f"| {name} | {', '.join(f'{r:.3f}' for r in ratios)} | {statistics.mean(ratios):.3f} "
+            f"| {name} | {', '.join(f'{r:.3f}' for r in ratios)} | {mean:.3f} | {interval} "
             f"| {', '.join(f'{c:.1f}' for c in cpu)} | {statistics.mean(cpu):.1f} "
             f"| {actors:.0f} vs {raw:.0f} | {cpu_ratio:.3f} |"
         )

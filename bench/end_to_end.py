@@ -37,6 +37,7 @@ from bench.common import (
     cores,
     cpus_of,
     drain_unrolls,
+    mean_interval,
     pause_processes,
     pin_processes,
     processes_cpu_seconds,
@@ -367,6 +368,8 @@ def measure_against_raw(
     pairs = [
         rates[i] / max(rates[i + beside[i % 4]], 1e-9) for i in range(windows) if i % 4 in beside
     ]
+    # How far one run's ratio can be trusted: the pairs' mean with its 95% interval.
+    pairs_mean, pairs_half = mean_interval(pairs)
     return {
         "env": env,
         "processes": processes,
@@ -382,6 +385,9 @@ def measure_against_raw(
         "raw_env_frames_per_s": raw_fps,
         "ratio_to_raw": fleet_fps / max(raw_fps, 1e-9),
         "ratio_to_raw_per_pair": [round(ratio, 4) for ratio in pairs],
+        "ratio_to_raw_ci95": None
+        if pairs_half is None
+        else [round(pairs_mean - pairs_half, 4), round(pairs_mean + pairs_half, 4)],
         "learner_cores": summed("cpu", True) / summed("wall", True),
         "learner_cpu_us_per_step": learner_us,
         "actors_cpu_us_per_step": actors_us,
@@ -463,6 +469,7 @@ def run_trivial(settings: Settings) -> CaseResult:
             Column("env_frames_per_s", "env frames/s"),
             Column("raw_env_frames_per_s", "raw (a) frames/s"),
             Column("ratio_to_raw", "ratio to (a)", "{:.3f}"),
+            Column("ratio_to_raw_ci95", "pairs 95% CI", "{0[0]:.3f}-{0[1]:.3f}"),
             Column("learner_cpu_us_per_step", "learner us/step", "{:.1f}"),
             Column("actors_cpu_us_per_step", "actors us/step", "{:.0f}"),
             Column("raw_cpu_us_per_step", "raw us/step", "{:.0f}"),
@@ -501,7 +508,9 @@ def run_trivial(settings: Settings) -> CaseResult:
         f"Each row: the fleet and case (a)'s env stack at the same P and K, alternating in "
         f"{windows} windows (fleet, raw, raw, fleet, ...; the other side stopped), "
         f"{settings.duration_s:g} s of each in all; 'ratio_to_raw_per_pair' in the JSON gives "
-        f"each fleet window against the raw one beside it."
+        f"each fleet window against the raw one beside it, and 'pairs 95% CI' the interval "
+        f"their mean lies in at 95% confidence (Student's t over the pairs; with one pair, "
+        f"none): how much of a ratio one run resolves on this machine."
     )
     result.notes.append(
         "learner 'shared': actors, learner and gRPC share every core, and the ratio is the "

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from bench.common import mean_interval, student_t_quantile
 from tests.fleet import ROOT, wait_until
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -70,6 +71,7 @@ def test_raw_and_end_to_end_cases_measure_frames(short_run):
         assert trivial["ratio_to_raw_per_pair"] == [
             pytest.approx(trivial["ratio_to_raw"], rel=1e-3)
         ]
+        assert trivial["ratio_to_raw_ci95"] is None  # one pair has no spread to go by
         # The CPU split of the same windows: both sides' env processes ran.
         assert trivial["actors_cpu_us_per_step"] > 0 and trivial["raw_cpu_us_per_step"] > 0
         shared = trivial["learner_placement"] == "shared"  # then the learner's CPU counts
@@ -391,9 +393,43 @@ def test_the_alternating_comparison_runs_each_configuration_every_round(tmp_path
             assert isinstance(row["steal"], float) and 0 <= row["steal"] <= 1  # /proc/stat
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["4x1", "256x2"]
+    for line, rows in zip(lines[2:], runs.values(), strict=True):
+        # The mean of the two runs and its interval, from those runs' ratios.
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        mean, half = mean_interval([row["ratio_to_raw"] for row in rows])
+        assert cells[2] == f"{mean:.3f}"
+        assert cells[3] == f"{mean - half:.3f}-{mean + half:.3f}"
+        assert all(row["ratio_to_raw_ci95"] is None for row in rows)  # one pair per run
     refused = [["--configs", text] for text in ("8", "8x3", "0x1", "ax2")]
     refused += [["--rounds", "0"], ["--windows", "3"], ["--duration-s", "0"]]
     for bad in refused:
         with pytest.raises(SystemExit):
             alternate.main(bad)
     assert capsys.readouterr().out == ""  # refused before anything ran
+
+
+@pytest.mark.parametrize(
+    "probability, df, expected",
+    # Student's t tables: two-sided 95% for 1, 3, 9, 30 degrees of freedom; 90% and 99%.
+    [
+        (0.975, 1, 12.706),
+        (0.975, 3, 3.182),
+        (0.975, 9, 2.262),
+        (0.975, 30, 2.042),
+        (0.95, 5, 2.015),
+        (0.995, 10, 3.169),
+    ],
+)
+def test_student_t_quantiles_match_the_tables(probability, df, expected):
+    assert student_t_quantile(probability, df) == pytest.approx(expected, abs=6e-4)
+
+
+def test_the_mean_interval_is_students_over_the_values():
+    # Standard deviation 1 over three values: t(2) = 4.303 times 1 / sqrt(3).
+    assert mean_interval([1.0, 2.0, 3.0]) == (2.0, pytest.approx(4.3027 / 3**0.5, abs=1e-3))
+    mean, half = mean_interval([0.9, 0.9, 0.9, 0.9])
+    assert (mean, half) == (pytest.approx(0.9), pytest.approx(0.0, abs=1e-12))
+    assert mean_interval([0.93]) == (0.93, None)  # one value: no interval
+    for probability, df in ((0.5, 3), (1.0, 3), (0.975, 0)):
+        with pytest.raises(ValueError, match="probability"):
+            student_t_quantile(probability, df)
