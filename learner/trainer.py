@@ -134,7 +134,8 @@ class Trainer:
             self._thread.join()
 
     def _next_batch(self) -> list[Unroll] | None:
-        """B unrolls, or None once asked to stop (even while unrolls keep coming)."""
+        """B unrolls, or None once asked to stop (even while unrolls keep coming); the
+        unrolls of a batch left unfinished go back to `recycle`."""
         batch: list[Unroll] = []
         while len(batch) < self._batch_size:
             if self._stop.is_set():
@@ -143,6 +144,8 @@ class Trainer:
                         "this learner process stops outside an agreed update; the others "
                         "wait for its share of the batch until they are stopped too"
                     )
+                if batch and self._recycle is not None:
+                    self._recycle(batch)  # their frame buffers return to the store
                 return None
             try:
                 batch.append(self._unrolls.get(timeout=0.1))

@@ -105,6 +105,19 @@ def test_stop_returns_while_unrolls_keep_arriving():
         producer.join()
 
 
+def test_a_batch_left_unfinished_by_stop_goes_back_to_recycle():
+    unrolls: queue.Queue = queue.Queue()
+    given_back: list = []
+    trainer = make_trainer(unrolls, ParameterSource({"w": 0}), [], recycle=given_back.extend)
+    held = unroll(7)
+    unrolls.put(held)  # one of a batch of 2: the trainer holds it and waits for another
+    trainer.start()
+    wait_until(unrolls.empty, 10, "the trainer to take the unroll")
+    trainer.stop()
+    assert given_back == [held]  # the store's frame buffer is not left lent
+    assert trainer.state.updates == 0
+
+
 def train_batches(update_fn, batches, parameters, failures, until, what) -> Trainer:
     """A trainer (3 non-finite updates in a row allowed) fed `batches` batches of 2, run
     until `until()` holds, then stopped."""
