@@ -9,6 +9,7 @@ import os
 import queue
 import resource
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -166,10 +167,10 @@ def student_t_quantile(probability: float, df: int) -> float:
 def mean_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float | None]:
     """The mean of independent measurements and the half-width of its `level`
     confidence interval (Student's t, from their spread); None for fewer than two."""
-    mean = sum(values) / len(values)
+    mean = statistics.fmean(values)
     if len(values) < 2:
         return mean, None
-    spread = math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1))
+    spread = statistics.stdev(values, mean)
     return mean, student_t_quantile((1 + level) / 2, len(values) - 1) * spread / math.sqrt(
         len(values)
     )
