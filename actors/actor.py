@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import os
 import random
@@ -78,11 +77,11 @@ class ActorConfig:
     """Stable name of this actor; empty: HOSTNAME-PID."""
     env_threads: int = 1
     """Threads of ale-py's vector env (Atari only); 1 suits one actor process per core."""
-    observation_changes: Literal["auto", "on", "off"] = "auto"
+    observation_changes: Literal["on", "off"] = "on"
     """Offer to send each step's observations as what changed since the last step (8-byte
     words; ~35x fewer bytes for Atari), for observations of 1 KiB or more per env; the
-    learner's welcome accepts. auto: on unless the learner is on this machine (loopback),
-    where bytes cost nothing and the comparison costs the actor's CPU."""
+    learner's welcome accepts. On loopback too: the gRPC copies it saves cost both sides
+    more CPU than the actor's comparison (docs/benchmarks.md, (c))."""
     seed: int | None = None
     """Base seed of the envs; None: random. The envs are seeded once, when made; a
     reconnection starts new episodes that go on from each env's random stream."""
@@ -157,17 +156,6 @@ class LearnerFinished(Exception):
     """The learner ended the stream with OK: training is over."""
 
 
-def is_loopback(address: str) -> bool:
-    """Whether HOST:PORT or [IPV6]:PORT names this machine's loopback (no name lookup)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @dataclasses.dataclass
 class _Group:
     """K/G envs of the actor and the stream they are sent on."""
@@ -176,7 +164,7 @@ class _Group:
     env: VectorEnv
     codec: StepCodec
     offers_changes: bool
-    """Its hellos offer observation changes (config, learner address and observation)."""
+    """Its hellos offer observation changes (config and observation)."""
 
 
 class Actor:
@@ -235,11 +223,8 @@ class Actor:
 
     def _offers_changes(self, env: VectorEnv) -> bool:
         observation = env.spec.observation
-        wanted = self.config.observation_changes
-        if wanted == "auto":
-            wanted = "off" if is_loopback(self.config.learner) else "on"
         return (
-            wanted == "on"
+            self.config.observation_changes == "on"
             and observation.nbytes >= CHANGES_MIN_BYTES
             and observation_changes_allowed(observation, env.num_envs)
         )

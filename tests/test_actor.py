@@ -60,18 +60,20 @@ def test_each_group_is_seeded_apart_and_a_seed_reproduces_the_actor():
 @pytest.mark.parametrize(
     ("learner", "setting", "env", "offered"),
     [
-        ("10.1.2.3:8470", "auto", "counting:wide", True),  # another machine: bytes matter
-        ("learner-host:8470", "auto", "counting:wide", True),
-        ("127.0.0.1:8470", "auto", "counting:wide", False),  # loopback: bytes are free
-        ("[::1]:8470", "auto", "counting:wide", False),
-        ("localhost:8470", "auto", "counting:wide", False),
-        ("127.0.0.1:8470", "on", "counting:wide", True),
+        ("10.1.2.3:8470", "on", "counting:wide", True),  # the default, on any link
+        ("learner-host:8470", "on", "counting:wide", True),
+        ("127.0.0.1:8470", "on", "counting:wide", True),  # loopback: gRPC's copies saved
+        ("[::1]:8470", "on", "counting:wide", True),
+        ("127.0.0.1:8470", "off", "counting:wide", False),
         ("10.1.2.3:8470", "off", "counting:wide", False),
         ("10.1.2.3:8470", "on", "counting:v0", False),  # 24 bytes: too small to pay
+        ("127.0.0.1:8470", "on", "classic:CartPole-v1", False),  # 16 bytes
     ],
 )
 def test_observation_changes_are_offered_where_they_pay(learner, setting, env, offered):
     from seedrl.proto import seedrl_pb2
+
+    assert ActorConfig().observation_changes == "on"
 
     actor = Actor(ActorConfig(learner=learner, env=env, num_envs=2, observation_changes=setting))
     hello = seedrl_pb2.ActorMessage.FromString(actor._hello(actor.groups[0])).hello

@@ -135,9 +135,9 @@ def test_unrolls_are_stitched_exactly_across_an_actor_restart(env, tmp_path):
     fleet = LearnerThread(config, train=False).start()
     logs = tmp_path / "actors"
     collector = Collector(fleet)
-    changes = ("--observation-changes", "on")  # "auto" leaves them off on loopback
-    steady = spawn_actor(fleet.address, env, 2, "steady", logs, *changes)
-    doomed = spawn_actor(fleet.address, env, 3, "doomed", logs, *changes)
+    # Observation changes are on by default (loopback too): no flag needed.
+    steady = spawn_actor(fleet.address, env, 2, "steady", logs)
+    doomed = spawn_actor(fleet.address, env, 3, "doomed", logs)
     restarted = None
     try:
         collector.drain_until(
@@ -148,7 +148,7 @@ def test_unrolls_are_stitched_exactly_across_an_actor_restart(env, tmp_path):
         streams = {s.actor_id: s for s in fleet.learner.service.streams.values()}
         first_run = streams["doomed"].run_id
         doomed.kill()
-        restarted = spawn_actor(fleet.address, env, 3, "doomed", logs, *changes)
+        restarted = spawn_actor(fleet.address, env, 3, "doomed", logs)
         collector.drain_until(
             lambda: (
                 sum(1 for a, r, _ in collector.unrolls if a == "doomed" and r != first_run) >= 30
@@ -228,9 +228,7 @@ def test_a_stopped_learner_leaves_actors_retrying_until_one_is_back(tmp_path):
     port = free_port()
     config = learner_config(env, tmp_path / "run", port=port)
     first = LearnerThread(config, train=True).start()
-    actor = spawn_actor(
-        first.address, env, 2, "patient", tmp_path / "actors", "--observation-changes", "on"
-    )
+    actor = spawn_actor(first.address, env, 2, "patient", tmp_path / "actors")
     try:
         wait_until(lambda: first.learner.stats.updates >= 5, 60, "training with a live actor")
         (old_run,) = [s.run_id for s in first.learner.service.streams.values()]
