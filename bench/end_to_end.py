@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bench import tethered
 from bench.common import (
     CaseResult,
     Column,
@@ -50,9 +51,8 @@ def _actors(address: str, env: str, processes: int, num_envs: int, groups: int, 
     actors = []
     for index in range(processes):
         log = open(os.path.join(log_dir, f"actor-{index}.log"), "w")  # noqa: SIM115
-        args = [
-            sys.executable,
-            "-m",
+        # Tethered: a killed benchmark's actors would otherwise retry its learner forever.
+        args = tethered.command(
             "actors.main",
             "--learner",
             address,
@@ -68,7 +68,7 @@ def _actors(address: str, env: str, processes: int, num_envs: int, groups: int, 
             "0.2",
             "--backoff-max-s",
             "1",
-        ]
+        )
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         actors.append((process, log))
     return actors

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from bench import tethered
 from bench.common import mean_interval, student_t_quantile
 from tests.fleet import ROOT, wait_until
 
@@ -292,6 +293,62 @@ def test_pausable_envs_end_when_the_benchmark_is_killed():
     except AssertionError:
         os.kill(pid, signal.SIGKILL)  # not left stepping after the test
         raise
+
+
+def test_the_fleets_actors_end_when_the_benchmark_is_killed():
+    """Killed, the benchmark takes its learner with it; its actors, which would retry a
+    learner that went away for ever, end with it instead of loading the next runs."""
+    script = (
+        "from bench.end_to_end import serving_fleet\n"
+        "with serving_fleet('counting:v0', 2, 2, 1, False) as (_, _, pids):\n"
+        "    print(*pids, flush=True)\n"
+        "    input()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = list(map(int, parent.stdout.readline().split()))
+        assert len(pids) == 2 and all(_state(pid) not in ("", "Z") for pid in pids)
+    finally:
+        parent.kill()  # no clean-up runs in the parent: the learner dies with it
+        parent.wait(timeout=30)
+    try:
+        wait_until(
+            lambda: all(_state(pid) in ("", "Z") for pid in pids),
+            30,
+            "the actors to end with the benchmark",
+            interval_s=0.2,
+        )
+    finally:
+        for pid in pids:
+            if _state(pid) not in ("", "Z"):
+                os.kill(pid, signal.SIGKILL)  # not left retrying after the test
+
+
+def test_a_tethered_process_whose_parent_is_already_gone_never_runs_its_module():
+    # Started by this test, not by the parent it names (the parent "ended" before it could
+    # set its death signal): it exits before the module (which would print) runs.
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.tethered", str(os.getppid()), "json.tool", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (completed.returncode, completed.stdout) == (1, "")
+    run_here = subprocess.run(
+        tethered.command("json.tool", "--help"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run_here.returncode == 0 and "usage" in run_here.stdout
 
 
 def test_the_alignment_probe_times_both_sides_of_every_row(capsys):
