@@ -268,13 +268,9 @@ def test_other_processes_cpu_time_is_read_from_the_kernel():
             child.wait(timeout=30)
 
 
-def test_pausable_envs_end_when_the_benchmark_is_killed():
-    script = (
-        "from bench.raw_env import PausableEnvs\n"
-        "envs = PausableEnvs('counting:v0', processes=1, num_envs=2)\n"
-        "print(*(w.pid for w in envs._workers), flush=True)\n"
-        "input()\n"
-    )
+def _children_end_with_their_killed_parent(script: str, what: str) -> None:
+    """Runs `script` in a parent process that prints its children's pids, SIGKILLs the
+    parent (no clean-up runs in it) and waits for every child to end."""
     parent = subprocess.Popen(
         [sys.executable, "-c", script],
         cwd=ROOT,
@@ -282,17 +278,29 @@ def test_pausable_envs_end_when_the_benchmark_is_killed():
         stdout=subprocess.PIPE,
         text=True,
     )
+    pids: list[int] = []
     try:
-        (pid,) = map(int, parent.stdout.readline().split())
-        assert _state(pid) not in ("", "Z")
+        pids = list(map(int, parent.stdout.readline().split()))
+        assert pids and all(_state(pid) not in ("", "Z") for pid in pids)
     finally:
-        parent.kill()  # no clean-up runs in the parent
+        parent.kill()
         parent.wait(timeout=30)
     try:
-        wait_until(lambda: _state(pid) in ("", "Z"), 30, "the env process to end with its parent")
-    except AssertionError:
-        os.kill(pid, signal.SIGKILL)  # not left stepping after the test
-        raise
+        wait_until(lambda: all(_state(pid) in ("", "Z") for pid in pids), 30, what, 0.2)
+    finally:
+        for pid in pids:
+            if _state(pid) not in ("", "Z"):
+                os.kill(pid, signal.SIGKILL)  # not left running after the test
+
+
+def test_pausable_envs_end_when_the_benchmark_is_killed():
+    script = (
+        "from bench.raw_env import PausableEnvs\n"
+        "envs = PausableEnvs('counting:v0', processes=1, num_envs=2)\n"
+        "print(*(w.pid for w in envs._workers), flush=True)\n"
+        "input()\n"
+    )
+    _children_end_with_their_killed_parent(script, "the env process to end with its parent")
 
 
 def test_the_fleets_actors_end_when_the_benchmark_is_killed():
@@ -304,30 +312,7 @@ def test_the_fleets_actors_end_when_the_benchmark_is_killed():
         "    print(*pids, flush=True)\n"
         "    input()\n"
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        pids = list(map(int, parent.stdout.readline().split()))
-        assert len(pids) == 2 and all(_state(pid) not in ("", "Z") for pid in pids)
-    finally:
-        parent.kill()  # no clean-up runs in the parent: the learner dies with it
-        parent.wait(timeout=30)
-    try:
-        wait_until(
-            lambda: all(_state(pid) in ("", "Z") for pid in pids),
-            30,
-            "the actors to end with the benchmark",
-            interval_s=0.2,
-        )
-    finally:
-        for pid in pids:
-            if _state(pid) not in ("", "Z"):
-                os.kill(pid, signal.SIGKILL)  # not left retrying after the test
+    _children_end_with_their_killed_parent(script, "the actors to end with the benchmark")
 
 
 def test_a_tethered_process_whose_parent_is_already_gone_never_runs_its_module():
