@@ -28,3 +28,11 @@ def test_the_shared_core_needs_only_numpy_grpc_and_protobuf():
 def test_the_env_registry_loads_no_simulator_until_asked():
     loaded = modules_after_import("import envs.registry")
     assert not {"ale_py", "gymnasium"} & loaded
+
+
+def test_the_benchmarks_actors_load_nothing_beyond_what_users_actors_do():
+    # Its actors run under bench.tethered: anything it imported would weigh on what
+    # the benchmark measures of them.
+    loaded = modules_after_import("import bench.tethered")
+    assert "bench.tethered" in loaded
+    assert not {"numpy", "jax", "grpc", "envs", "learner", "actors"} & loaded
