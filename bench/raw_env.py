@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from bench.common import CaseResult, Column, Settings, cores, pause_processes
+from bench.tethered import tether
 
 ENVS = ("atari:Pong", "counting:v0")
 
@@ -87,22 +88,13 @@ def measure(env_id: str, processes: int, num_envs: int, warmup_s: float, duratio
 
 
 def _stepper(env_id: str, num_envs: int, parent: int, counter, ready, go) -> None:
+    tether(parent)  # a killed benchmark's envs, stepping or paused, end with it
     _, step = _random_env(env_id, num_envs)
     ready.set()
-
-    def orphaned() -> bool:
-        return os.getppid() != parent  # the benchmark is gone (killed): do not live on
-
-    while not go.wait(1.0):
-        if orphaned():
-            return
-    steps = 0
+    go.wait()
     while True:
         step()
         counter.value += num_envs  # one writer, read between pauses: no lock needed
-        steps += 1
-        if steps % 64 == 0 and orphaned():
-            return
 
 
 class PausableEnvs:

@@ -4,6 +4,7 @@ ARGS, and ends it (SIGKILL) when PARENT_PID, the process that started it, ends.
 The benchmark's actors run through it. An actor outlives its learner by design (it
 reconnects with backoff), so the actors of a benchmark that was killed, learner and
 all, would otherwise go on retrying and take CPU from every later run on the machine.
+Case (a)'s env processes (multiprocessing's) call `tether` themselves.
 
 Linux's parent-death signal is tied to the thread that started the child: start
 tethered processes from a thread that lives as long as they should (the main one).
