@@ -100,7 +100,7 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", default="atari:Pong")
+    parser.add_argument("--env", default="atari:Pong/84x84")
     parser.add_argument("--processes", type=int, default=2, help="actor processes (P)")
     parser.add_argument(
         "--configs",

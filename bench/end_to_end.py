@@ -455,7 +455,7 @@ def run_trivial(settings: Settings) -> CaseResult:
     measured in windows alternating with the fleet's."""
     processes = settings.processes or cores()
     num_envs = settings.envs_per_process
-    env = "atari:Pong"
+    env = "atari:Pong/84x84"
     result = CaseResult(
         case="c",
         title="end to end, trivial policy: real actors and learner, no network compute",
@@ -551,7 +551,7 @@ def run_training(settings: Settings) -> CaseResult:
         # Seconds, not minutes: a small network on the counting env, the same code path.
         env, overrides = "counting:v0", {"network": "mlp", "batch_size": 4, "unroll_length": 5}
     else:
-        env, overrides = "atari:Pong", {}
+        env, overrides = "atari:Pong/84x84", {}
     result.rows.append(
         measure_training(
             env,
@@ -580,7 +580,7 @@ def run_dashboards(settings: Settings) -> CaseResult:
     so that a drift of the machine's speed weighs on both alike.
     """
     processes = settings.processes or cores()
-    env = "counting:v0" if settings.short else "atari:Pong"
+    env = "counting:v0" if settings.short else "atari:Pong/84x84"
     windows = 2 if settings.short else 8
     window_s = settings.duration_s if settings.short else settings.duration_s / 2
     result = CaseResult(

@@ -17,7 +17,7 @@ import numpy as np
 from bench.common import CaseResult, Column, Settings, cores, pause_processes
 from bench.tethered import tether
 
-ENVS = ("atari:Pong", "counting:v0")
+ENVS = ("atari:Pong/84x84", "counting:v0")
 
 
 def _random_env(env_id: str, num_envs: int):

@@ -58,7 +58,7 @@ def plot_raw_and_end_to_end(path: str, results: dict[str, CaseResult]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    env = "atari:Pong"
+    env = "atari:Pong/84x84"
     entries: list[tuple[str, float, float | None]] = []  # label, frames/s, its ceiling
     for case in ("a", "c", "d"):
         result = results.get(case)

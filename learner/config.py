@@ -31,8 +31,9 @@ class LearnerConfig:
     """Environment id, FAMILY:NAME: atari:Pong (any ALE game), classic:CartPole-v1,
     football:academy_empty_goal_close (any gfootball scenario), counting:v0."""
     preset: str = ""
-    """Defaults to start from: atari, classic, football, football_11v11 or counting; empty:
-    from the env (football's 11 vs 11 scenarios take football_11v11)."""
+    """Defaults to start from: atari, atari_84, classic, football, football_11v11, memory or
+    counting; empty: from the env (football's 11 vs 11 scenarios take football_11v11,
+    Atari frames of 64x64 or more atari_84)."""
     port: int = 8470
     """TCP port of the gRPC server the actors connect to (0: any free port)."""
     bind_address: str = "[::]"
@@ -134,6 +135,18 @@ class LearnerConfig:
     """Rewards for training are multiplied by this, before clipping: it sets the size of
     the advantages against the entropy bonus. Reported returns are always raw."""
 
+    policy_clip: float | None = None
+    """PPO's clip of the ratio pi/mu in the policy loss, the advantages V-trace's (APPO);
+    None: V-trace's importance-weighted policy gradient."""
+    normalize_advantages: bool = False
+    """Scale the policy gradient's advantages to zero mean and unit variance over each batch."""
+    batch_passes: int = 1
+    """Passes over each batch: more than 1 reuses every transition (as APPO and PPO do),
+    the later passes off-policy by the earlier ones; use with --policy-clip."""
+    minibatches: int = 1
+    """Each batch is cut into this many minibatches of B / minibatches unrolls, each a
+    gradient step: a batch gives batch_passes x minibatches updates."""
+
     # -- operation -----------------------------------------------------------
     log_interval_s: float = 5.0
     """Seconds between lines of metrics.jsonl and the console."""
@@ -210,6 +223,15 @@ class LearnerConfig:
             f"({self.batch_size}), or the trainer would wait forever",
         )
         require(self.learning_rate > 0, "learning_rate must be positive")
+        require(self.batch_passes >= 1, "batch_passes must be at least 1")
+        require(
+            self.minibatches >= 1 and self.batch_size % self.minibatches == 0,
+            f"minibatches ({self.minibatches}) must divide batch_size ({self.batch_size})",
+        )
+        require(
+            self.policy_clip is None or 0 < self.policy_clip < 1,
+            f"policy_clip {self.policy_clip} must be in (0, 1), or None for no clip",
+        )
         require(self.lstm_size >= 0, "lstm_size must not be negative (0: no LSTM)")
         require(self.batch_size_per_device >= 0, "batch_size_per_device must not be negative")
         require(
@@ -279,9 +301,27 @@ class LearnerConfig:
 
 
 PRESETS: dict[str, LearnerConfig] = {
-    # Nature CNN and the usual IMPALA-family settings (unroll 20, batch 32,
-    # discount 0.99, rewards clipped to [-1, 1], entropy 0.01, gradient norm 40).
-    "atari": LearnerConfig(env="atari:Pong"),
+    # 42x42 frames and the compact CNN, trained as PPO trains Atari: advantages
+    # normalised, three passes over each batch in minibatches of two unrolls (a gradient
+    # step per 40 transitions), PPO's clip against the acting policy, lambda 0.95,
+    # gradients clipped to 0.5 (docs/learning.md has what was measured).
+    "atari": LearnerConfig(
+        env="atari:Pong",
+        network="compact_cnn",
+        learning_rate=2.5e-4,
+        batch_size=16,
+        minibatches=8,
+        batch_passes=3,
+        policy_clip=0.2,
+        normalize_advantages=True,
+        vtrace_lambda=0.95,
+        max_grad_norm=0.5,
+        unroll_queue_size=16,
+    ),
+    # 84x84 frames (atari:GAME/84x84): the Nature CNN and the usual IMPALA-family
+    # settings (unroll 20, batch 32, discount 0.99, rewards clipped to [-1, 1], entropy
+    # 0.01, gradient norm 40).
+    "atari_84": LearnerConfig(env="atari:Pong/84x84"),
     # Tuned on CartPole-v1 with 2 actors x 16 envs (docs/architecture.md): the
     # separate value torso of the mlp network mattered most, then the reward
     # scale. Unscaled, advantages of tens swamped the entropy bonus: 4 runs in
@@ -380,6 +420,8 @@ def preset_for(env_id: str, preset: str = "") -> LearnerConfig:
     name = preset or family
     if not preset and family == "football" and scenario.startswith("11_vs_11"):
         name = "football_11v11"
+    if not preset and family == "atari" and _atari_frame_size(scenario) >= 64:
+        name = "atari_84"
     if name not in PRESETS:
         raise ValueError(f"no preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     config = dataclasses.replace(PRESETS[name], env=env_id, preset=name)
@@ -387,6 +429,16 @@ def preset_for(env_id: str, preset: str = "") -> LearnerConfig:
         # 115 floats, not the mini-map: a vector torso.
         config = dataclasses.replace(config, network="mlp", mlp_hidden_sizes=(256, 256))
     return config
+
+
+def _atari_frame_size(name: str) -> int:
+    """The frame size an Atari env id's name asks for (0 when it names none or is malformed:
+    the env then says what is wrong)."""
+    for option in name.split("/")[1:]:
+        height, _, width = option.partition("x")
+        if height.isdigit() and height == width:
+            return int(height)
+    return 0
 
 
 def parse_cli(argv: Sequence[str] | None = None) -> LearnerConfig:

@@ -81,7 +81,8 @@ def learning_rate_schedule(
     learning_rate = scaled_learning_rate(config, global_batch)
     if not config.learning_rate_decay:
         return optax.constant_schedule(learning_rate)
-    total_updates = max(1, config.total_env_steps // (config.unroll_length * global_batch))
+    batches = max(1, config.total_env_steps // (config.unroll_length * global_batch))
+    total_updates = batches * config.batch_passes * config.minibatches
     # The schedule's step count is an int32 on the device.
     total_updates = min(total_updates, 2**31 - 1)
     return optax.linear_schedule(learning_rate, 0.0, total_updates)
@@ -108,6 +109,8 @@ def loss_settings(config: LearnerConfig) -> learning.LossSettings:
         entropy_cost=config.entropy_cost,
         reward_clipping=config.reward_clipping,
         reward_scale=config.reward_scale,
+        policy_clip=config.policy_clip,
+        normalize_advantages=config.normalize_advantages,
     )
 
 
@@ -252,6 +255,8 @@ class Learner:
                 "rng_key": jax.random.key_data(self.inference.rng_key).tolist()
             },
             max_nonfinite_updates=config.max_nonfinite_updates,
+            batch_passes=config.batch_passes,
+            minibatches=config.minibatches,
         )
         self._stop_check = (
             StopCheck(
@@ -313,6 +318,12 @@ class Learner:
                 f"{placement.device_count} learner devices; make it a multiple"
             )
         self.local_batch = self.global_batch // placement.process_count
+        minibatch = self.local_batch // config.minibatches
+        if self.local_batch % config.minibatches or minibatch % len(placement.local_devices):
+            raise DeviceError(
+                f"this process's {self.local_batch} unrolls do not cut into {config.minibatches} "
+                f"minibatches that split evenly over its {len(placement.local_devices)} devices"
+            )
         if config.unroll_queue_size < self.local_batch:
             raise DeviceError(
                 f"--unroll-queue-size {config.unroll_queue_size} must hold this process's "
@@ -368,7 +379,11 @@ class Learner:
         """Compiles inference for every padded batch size, the update, and the policy of
         the check before a stop (--stop-eval-episodes), before serving."""
         self.inference.warm_up()
-        self.trainer.warm_up(example_trajectories(self.config, self.env_spec, self.local_batch))
+        self.trainer.warm_up(
+            example_trajectories(
+                self.config, self.env_spec, self.local_batch // self.config.minibatches
+            )
+        )
         if self._stop_check is not None:
             self._stop_check.warm_up(self.parameters.latest()[0])
 

@@ -17,6 +17,10 @@ def _round(value: float | None, digits: int = 4) -> float | None:
     return round(value, digits)
 
 
+def _or_dash(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def format_duration(seconds: float) -> str:
     """3725 -> "1h02m", 95 -> "1m35s", 7 -> "7s"."""
     total = round(seconds)
@@ -79,6 +83,13 @@ class MetricsLogger:
             "grad_norm": _round(mean("grad_norm")),
             "learning_rate": _round(mean("learning_rate"), 8),
             "rho_mean": _round(mean("rho_mean")),
+            # Learning health (agents/vtrace/learning.py, learning_health and update_kl).
+            "explained_variance": _round(mean("explained_variance")),
+            "advantage_std": _round(mean("advantage_std"), 6),
+            "value_target_std": _round(mean("value_target_std"), 6),
+            "value_mean": _round(mean("value_mean")),
+            "kl_behaviour": _round(mean("kl_behaviour"), 6),
+            "kl_update": _round(mean("kl_update"), 7),
             "policy_lag_mean": _round(mean("policy_lag"), 2),
             "policy_lag_max": (
                 _round(window["policy_lag_max"].maximum, 1) if "policy_lag_max" in window else None
@@ -126,7 +137,9 @@ class MetricsLogger:
             f"episodes {record['episodes']} actors {record['connected_actors']} "
             f"batch {record['inference_batch_mean'] or 0:.1f} "
             f"queue {record['unroll_queue_depth']} updates {record['updates']} "
-            f"lag {'-' if lag is None else f'{lag:.1f}'} loss {record['loss']}"
+            f"lag {'-' if lag is None else f'{lag:.1f}'} loss {record['loss']} "
+            f"entropy {_or_dash(record['entropy'], '.3f')} "
+            f"ev {_or_dash(record['explained_variance'], '.2f')}"
         )
 
     def close(self) -> None:

@@ -18,8 +18,8 @@ from flax import traverse_util
 
 from learner.ops.onednn_conv import conv_bias_relu
 
-NetworkName = Literal["nature_cnn", "impala_resnet", "smm_cnn", "mlp"]
-CONV_RELU_TORSOS: tuple[NetworkName, ...] = ("nature_cnn", "smm_cnn")
+NetworkName = Literal["nature_cnn", "compact_cnn", "impala_resnet", "smm_cnn", "mlp"]
+CONV_RELU_TORSOS: tuple[NetworkName, ...] = ("nature_cnn", "compact_cnn", "smm_cnn")
 """The torsos whose convolutions are `_ConvReLU`s: on oneDNN in the policy on a CPU."""
 
 
@@ -66,6 +66,23 @@ class NatureCNN(nn.Module):
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
         return _nature_layers(_images_to_float(observations), hidden_size=512)
+
+
+class CompactCNN(nn.Module):
+    """Two strided convolutions (16 of 4x4/2, 32 of 4x4/2) and a 256-unit layer.
+
+    Sized for 42x42 frames (atari:GAME/42x42), where it costs about a quarter
+    of the Nature CNN's update at 84x84: on a CPU the update's arithmetic
+    decides how many frames a minute trains on.
+    """
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        x = _images_to_float(observations)
+        x = _ConvReLU(16, (4, 4), (2, 2), name="Conv_0")(x)
+        x = _ConvReLU(32, (4, 4), (2, 2), name="Conv_1")(x)
+        x = x.reshape(x.shape[0], -1)
+        return nn.relu(nn.Dense(256)(x))
 
 
 class _ResidualBlock(nn.Module):
@@ -248,6 +265,8 @@ class NetworkMismatch(ValueError):
 
 # Smallest height and width the DQN layers take (8x8/4, 4x4/2, 3x3/1, all VALID).
 _NATURE_MIN_SIZE = 36
+# ... and the compact torso's (4x4/2 twice, VALID).
+_COMPACT_MIN_SIZE = 10
 
 
 def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> None:
@@ -256,9 +275,9 @@ def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> N
     observation = f"{dtype}[{','.join(map(str, shape))}]"
     if name == "mlp":
         return
-    if name in ("nature_cnn", "impala_resnet"):
+    if name in ("nature_cnn", "compact_cnn", "impala_resnet"):
         wanted = "uint8 images [C, H, W] (stacked frames as channels)"
-        minimum = _NATURE_MIN_SIZE if name == "nature_cnn" else 1
+        minimum = {"nature_cnn": _NATURE_MIN_SIZE, "compact_cnn": _COMPACT_MIN_SIZE}.get(name, 1)
         fits = dtype == "uint8" and len(shape) == 3 and min(shape[1:]) >= minimum
     elif name == "smm_cnn":
         wanted = "football's packed mini-map, uint8 [H, W, planes/8]"
@@ -272,7 +291,7 @@ def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> N
     elif dtype == "uint8" and len(shape) == 3 and shape[-1] < shape[0]:
         hint = "smm_cnn"  # channels last: the packed mini-map
     elif dtype == "uint8" and len(shape) == 3:
-        hint = "nature_cnn or impala_resnet"
+        hint = "nature_cnn, compact_cnn or impala_resnet"
     else:
         hint = "mlp (it flattens any observation)"
     raise NetworkMismatch(
@@ -291,6 +310,7 @@ def make_network(
     hidden = tuple(mlp_hidden_sizes)
     torsos = {
         "nature_cnn": NatureCNN,
+        "compact_cnn": CompactCNN,
         "impala_resnet": ImpalaResNet,
         "smm_cnn": SMMCNN,
         "mlp": lambda: MLP(hidden),

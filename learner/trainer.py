@@ -59,6 +59,12 @@ def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
     return trajectories, stack("policy_versions")
 
 
+def minibatch_columns(batch_size: int, minibatches: int) -> list[slice]:
+    """The columns (unrolls) of each of `minibatches` equal minibatches of a batch."""
+    size = batch_size // minibatches
+    return [slice(index * size, (index + 1) * size) for index in range(minibatches)]
+
+
 class NonFiniteLoss(RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient."""
 
@@ -79,13 +85,18 @@ class Trainer:
         checkpointer: Checkpointer | None = None,
         checkpoint_meta: Callable[[], dict] | None = None,
         max_nonfinite_updates: int = 10,
+        batch_passes: int = 1,
+        minibatches: int = 1,
     ):
         """`batch_size` is this process's share of the batch; `placement` the devices it
         is trained on (default: one); `recycle` takes back the unrolls of each batch once
         it is stacked; `checkpointer` saves the state between updates when one is due,
         with the counters and whatever `checkpoint_meta` adds; after
         `max_nonfinite_updates` skipped (non-finite) updates in a row the trainer fails
-        with NonFiniteLoss."""
+        with NonFiniteLoss. Each batch is cut into `minibatches` along B and trained on
+        `batch_passes` times, an update per minibatch and pass."""
+        self._batch_passes = batch_passes
+        self._minibatches = minibatches
         self.state = state
         self._checkpointer = checkpointer
         self._checkpoint_meta = checkpoint_meta
@@ -231,8 +242,22 @@ class Trainer:
         trajectories, versions = stack_unrolls(batch)
         if self._recycle is not None:
             self._recycle(batch)  # stacked: nothing refers to them any more
+        parts = minibatch_columns(trajectories.actions.shape[1], self._minibatches)
+        on_device = [
+            (
+                self._placement.put_batch(jax.tree.map(lambda x, c=columns: x[:, c], trajectories)),
+                versions[:, columns],
+            )
+            for columns in parts
+        ]
+        for _ in range(self._batch_passes):
+            for minibatch, minibatch_versions in on_device:
+                self._step(minibatch, minibatch_versions)
+
+    def _step(self, batch: Trajectories, versions: np.ndarray) -> None:
+        """One update on `batch` (on the device), whose unrolls `versions` acted."""
         version = int(self.state.updates)
-        self.state, metrics = self._update_fn(self.state, self._placement.put_batch(trajectories))
+        self.state, metrics = self._update_fn(self.state, batch)
         metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
         if not metrics.pop("finite"):
             self._skip(metrics)

@@ -2,7 +2,8 @@
 # Trains on this machine: one learner and a fleet of actors, all local.
 #
 # Usage: scripts/run_local.sh [ENV_ID] [NUM_ACTORS] [ENVS_PER_ACTOR] [-- LEARNER_FLAGS...]
-#   ENV_ID          atari:Pong (default), any atari:GAME, classic:CartPole-v1, counting:v0,
+#   ENV_ID          atari:Pong (default), any atari:GAME (42x42 frames; atari:GAME/84x84 for
+#                   the DQN size), classic:CartPole-v1, counting:v0,
 #                   football:SCENARIO (after scripts/install_football.sh)
 #   NUM_ACTORS      actor processes (default 4)
 #   ENVS_PER_ACTOR  envs each actor steps in lock step (default 8)

@@ -157,6 +157,7 @@ def test_an_update_with_a_nan_leaves_the_state_as_it_was():
     [
         ("mlp", np.zeros((5, 4), np.float32)),
         ("nature_cnn", np.zeros((5, 4, 84, 84), np.uint8)),
+        ("compact_cnn", np.zeros((5, 4, 42, 42), np.uint8)),
         ("impala_resnet", np.zeros((5, 4, 84, 84), np.uint8)),
     ],
 )
@@ -228,7 +229,9 @@ def test_the_learner_on_a_cpu_serves_every_batch_size_within_the_budget(tmp_path
     from learner.learner import Learner
     from tests.fleet import learner_config
 
-    learner = Learner(learner_config("atari:Pong", tmp_path / "run", inference_batch_size=200))
+    learner = Learner(
+        learner_config("atari:Pong/84x84", tmp_path / "run", inference_batch_size=200)
+    )
     params, _ = learner.parameters.latest()
     for size in padded_sizes(200):
         observations = np.zeros((size, 4, 84, 84), np.uint8)
@@ -258,8 +261,13 @@ def test_unknown_network_is_refused():
         ("smm_cnn", "float32", (115,), "use --network mlp"),
         ("nature_cnn", "uint8", (72, 96, 2), "use --network smm_cnn"),
         ("nature_cnn", "float32", (4,), "use --network mlp"),
-        ("smm_cnn", "uint8", (4, 84, 84), "use --network nature_cnn or impala_resnet"),
-        ("nature_cnn", "uint8", (4, 20, 20), "use --network nature_cnn or impala_resnet"),
+        ("smm_cnn", "uint8", (4, 84, 84), "use --network nature_cnn, compact_cnn or impala_resnet"),
+        (
+            "nature_cnn",
+            "uint8",
+            (4, 20, 20),
+            "use --network nature_cnn, compact_cnn or impala_resnet",
+        ),
     ],
 )
 def test_a_network_that_cannot_read_the_observations_is_refused_clearly(name, dtype, shape, hint):
@@ -304,3 +312,157 @@ def test_the_uniform_policy_takes_the_observations_to_the_device():
     lowered = policy.lower({}, np.zeros((64, 4, 84, 84), np.uint8), jax.random.key(0))
     main = next(line for line in lowered.as_text().splitlines() if "@main(" in line)
     assert "tensor<64x4x84x84xui8>" in main, main
+
+
+def health(values, targets, log_rhos=None, mask=None):
+    values = jnp.asarray(values, jnp.float32)
+    targets = jnp.asarray(targets, jnp.float32)
+    zeros = jnp.zeros_like(values)
+    inputs = learning.VTraceInputs(
+        log_rhos=zeros if log_rhos is None else jnp.asarray(log_rhos, jnp.float32),
+        discounts=zeros,
+        rewards=zeros,
+        values=values,
+        bootstrap_value=zeros[0],
+        mask=jnp.ones_like(values) if mask is None else jnp.asarray(mask, jnp.float32),
+    )
+    returns = learning.VTraceReturns(vs=targets, pg_advantages=targets - values)
+    return {
+        k: float(v) for k, v in learning.learning_health(inputs, returns, targets - values).items()
+    }
+
+
+def test_explained_variance_says_how_much_of_the_targets_the_baseline_predicts():
+    targets = [[1.0, 3.0], [-2.0, 6.0]]
+    assert health(targets, targets)["explained_variance"] == pytest.approx(1.0)
+    # A constant baseline at the targets' mean explains nothing.
+    assert health(np.full((2, 2), 2.0), targets)["explained_variance"] == pytest.approx(0.0)
+    # Half the spread predicted: residuals of half the size leave a quarter of the variance.
+    half = np.asarray(targets) / 2 + 1.0
+    assert health(half, targets)["explained_variance"] == pytest.approx(0.75)
+    # Targets that do not vary have nothing to explain.
+    assert np.isnan(health([[0.5, 1.0]], [[1.0, 1.0]])["explained_variance"])
+    # Masked (auto-reset) transitions count for nothing.
+    masked = health([[1.0, 100.0]], [[1.0, -50.0]], mask=[[1.0, 0.0]])
+    assert masked["advantage_std"] == 0.0 and masked["value_target_std"] == 0.0
+
+
+def test_the_scales_are_the_standard_deviations_of_the_real_transitions():
+    figures = health(np.zeros((2, 2)), [[1.0, -1.0], [1.0, -1.0]])
+    assert figures["value_target_std"] == pytest.approx(1.0)
+    assert figures["advantage_std"] == pytest.approx(1.0)
+
+
+def test_kl_of_behaviour_is_zero_on_policy_and_matches_the_estimator_off_it():
+    assert health(np.zeros((2, 2)), np.ones((2, 2)))["kl_behaviour"] == 0.0
+    log_rhos = np.log([[0.5, 2.0], [1.0, 1.5]])
+    expected = np.mean(np.exp(log_rhos) - 1 - log_rhos)
+    figures = health(np.zeros((2, 2)), np.ones((2, 2)), log_rhos=log_rhos)
+    assert figures["kl_behaviour"] == pytest.approx(expected, rel=1e-5) and expected > 0
+
+
+def test_the_update_reports_the_kl_between_the_policies_before_and_after_it():
+    rng = np.random.default_rng(2)
+    batch = random_batch(rng)
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
+    kls = {}
+    for rate in (0.0, 1e-2):
+        optimizer = learning.make_optimizer("adam", rate, max_grad_norm=40.0, epsilon=1e-8)
+        update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
+        state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+        after, metrics = update(state, batch)
+        kls[rate] = float(metrics["kl_update"])
+        # The same figure from the two parameter sets directly.
+        columns = min(learning.KL_UNROLLS, batch.actions.shape[1])
+        rows = batch.observations[:, :columns].reshape(-1, 3)
+        before = jax.nn.log_softmax(network.apply(params, rows).logits)
+        later = jax.nn.log_softmax(network.apply(after.params, rows).logits)
+        direct = np.mean(np.sum(np.exp(before) * (before - later), axis=-1))
+        assert kls[rate] == pytest.approx(float(direct), abs=1e-7)
+    assert kls[0.0] == pytest.approx(0.0, abs=1e-9)
+    assert kls[1e-2] > 1e-6
+
+
+def test_the_clipped_surrogate_stops_pushing_where_the_ratio_left_the_clip():
+    """With --policy-clip, an action whose probability already rose past 1 + clip times the
+    behaviour's (for a positive advantage) gets no further push; inside the clip it does."""
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(8,))
+    params = network.init(jax.random.key(3), np.zeros((1, 3), np.float32))
+    rng = np.random.default_rng(3)
+    batch = random_batch(rng, steps=3, batch=1)
+    batch = batch._replace(
+        actions=np.zeros((3, 1), np.int32),
+        rewards=np.array([[0.0], [10.0], [10.0]], np.float32),  # advantages > 0
+        terminated=np.zeros((3, 1), bool),
+        truncated=np.zeros((3, 1), bool),
+    )
+    settings = SETTINGS._replace(policy_clip=0.2, baseline_cost=0.0, entropy_cost=0.0)
+    pi = jax.nn.log_softmax(learning.policy_outputs(params, network.apply, batch).logits)[:-1, 0, 0]
+
+    def policy_gradient_norm(behaviour_log_probs):
+        trial = batch._replace(behaviour_log_probs=behaviour_log_probs)
+        grads, _ = jax.grad(learning.loss_fn, has_aux=True)(params, network.apply, trial, settings)
+        return float(optax_norm(grads))
+
+    inside = np.concatenate([np.asarray(pi)[:, None], np.zeros((1, 1))]).astype(np.float32)
+    outside = inside - np.log(1.5)  # pi / mu = 1.5 > 1.2
+    outside[-1] = 0.0
+    assert policy_gradient_norm(inside) > 1e-4
+    assert policy_gradient_norm(outside) == pytest.approx(0.0, abs=1e-7)
+
+
+def optax_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+@pytest.mark.parametrize(
+    ("env_id", "network_name"), [("atari:Pong", "nature_cnn"), ("atari:Pong/42x42", "compact_cnn")]
+)
+def test_an_update_on_real_atari_frames_moves_the_policy_to_a_planted_reward(env_id, network_name):
+    """Real Pong frames, stacked as the learner stacks them, acted on uniformly; only action
+    2 is rewarded. The Atari preset's update must make action 2 the likeliest."""
+    from envs import registry
+    from learner.config import preset_for
+    from learner.frame_stack import frame_indices
+    from learner.learner import loss_settings
+
+    steps, envs, stack = 8, 8, 4
+    env = registry.make(env_id, envs, seed=0)
+    rng = np.random.default_rng(0)
+    first = env.reset()
+    frames, starts = [first.observations], [np.ones(envs, bool)]
+    for _ in range(steps + stack - 1):
+        step = env.step(rng.integers(0, 6, envs))
+        frames.append(step.observations)
+        starts.append(np.zeros(envs, bool))
+    env.close()
+    actions = rng.integers(0, 6, (steps + 1, envs)).astype(np.int32)
+    rewards = np.zeros((steps + 1, envs), np.float32)
+    rewards[1:] = actions[:-1] == 2  # the reward of a_t arrives with x_{t+1}
+    batch = learning.Trajectories(
+        observations=np.stack(frames),  # [T+S, B, 1, H, W]
+        frame_index=frame_indices(np.stack(starts), stack),
+        actions=actions,
+        behaviour_log_probs=np.full((steps + 1, envs), np.log(1 / 6), np.float32),
+        rewards=rewards,
+        terminated=np.zeros((steps + 1, envs), bool),
+        truncated=np.zeros((steps + 1, envs), bool),
+    )
+    config = preset_for(env_id)
+    network = make_network(network_name, num_actions=6)
+    stacked = learning.stack_frames(batch.observations, batch.frame_index)
+    params = network.init(jax.random.key(0), stacked[0, :1])
+    optimizer = learning.make_optimizer("adam", 1e-3, max_grad_norm=40.0, epsilon=1e-5)
+    update = learning.make_update_fn(network.apply, optimizer, loss_settings(config))
+    state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+
+    def probability_of_2(params) -> float:
+        logits = learning.policy_outputs(params, network.apply, batch).logits
+        return float(jnp.mean(jax.nn.softmax(logits)[..., 2]))
+
+    assert probability_of_2(state.params) == pytest.approx(1 / 6, abs=0.02)
+    for _ in range(30):
+        state, metrics = update(state, batch)
+        assert bool(metrics["finite"])
+    assert probability_of_2(state.params) > 0.5

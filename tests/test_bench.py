@@ -51,8 +51,8 @@ def test_every_case_reports_with_machine_and_commit(short_run):
 def test_raw_and_end_to_end_cases_measure_frames(short_run):
     _, _, results = short_run
     raw = {row["env"]: row for row in results["a"]["rows"]}
-    assert set(raw) == {"atari:Pong", "counting:v0"}
-    pong = raw["atari:Pong"]
+    assert set(raw) == {"atari:Pong/84x84", "counting:v0"}
+    pong = raw["atari:Pong/84x84"]
     assert pong["env_frames_per_s"] == pytest.approx(4 * pong["env_steps_per_s"])
     usable = sorted(os.sched_getaffinity(0))
     rows = results["c"]["rows"]
@@ -379,28 +379,28 @@ def test_trivial_rows_end_with_messages_that_fill_a_batch_four_times_the_presets
     )
     from learner.config import preset_for
 
-    preset = preset_for("atari:Pong")
+    preset = preset_for("atari:Pong/84x84")
     largest = preset.max_envs_per_stream
     for num_envs in (8, 32, largest, 100, 3 * largest, 8 * largest):
-        rows = trivial_configurations(num_envs, False, "atari:Pong")
+        rows = trivial_configurations(num_envs, False, "atari:Pong/84x84")
         assert len(rows) == len(set(rows))
         assert rows[-2:] == [(2 * largest, 2), (8 * largest, 2)]
         for envs, groups in rows:
             # The learner refuses a message larger than its batch: each row's learner
             # is made to take its messages whole.
             config = dataclasses.replace(
-                preset, **message_sized_batch("atari:Pong", envs // groups)
+                preset, **message_sized_batch("atari:Pong/84x84", envs // groups)
             )
             assert envs // groups <= config.max_envs_per_stream
         # The row on the learner's own cores runs with the preset's batch as it is.
-        assert own_core_configuration(rows, "atari:Pong") == (2 * largest, 2)
-    assert trivial_configurations(32, False, "atari:Pong") == [(32, 1), (128, 2), (512, 2)]
-    assert trivial_configurations(8, True, "atari:Pong") == [(8, 1)]
-    assert own_core_configuration([(8, 1)], "atari:Pong") == (8, 1)
-    assert own_core_configuration([(8 * largest, 1)], "atari:Pong") == (8 * largest, 1)
+        assert own_core_configuration(rows, "atari:Pong/84x84") == (2 * largest, 2)
+    assert trivial_configurations(32, False, "atari:Pong/84x84") == [(32, 1), (128, 2), (512, 2)]
+    assert trivial_configurations(8, True, "atari:Pong/84x84") == [(8, 1)]
+    assert own_core_configuration([(8, 1)], "atari:Pong/84x84") == (8, 1)
+    assert own_core_configuration([(8 * largest, 1)], "atari:Pong/84x84") == (8 * largest, 1)
     # The preset is left as it is wherever it takes the message already.
-    assert message_sized_batch("atari:Pong", largest) == {}
-    assert message_sized_batch("atari:Pong", 4 * largest) == {
+    assert message_sized_batch("atari:Pong/84x84", largest) == {}
+    assert message_sized_batch("atari:Pong/84x84", 4 * largest) == {
         "inference_batch_size": 4 * largest,
         "max_envs_per_actor": max(preset.max_envs_per_actor, 4 * largest),
     }

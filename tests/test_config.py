@@ -12,8 +12,12 @@ def test_the_env_family_picks_the_preset():
     assert config.preset == "classic" and config.network == "mlp"
     assert config.reward_clipping == "none"
     atari = parse_cli(["--env", "atari:Breakout"])
-    assert atari.preset == "atari" and atari.network == "nature_cnn"
+    assert atari.preset == "atari" and atari.network == "compact_cnn"
     assert atari.env == "atari:Breakout"
+    # The DQN frame size takes the Nature CNN's preset.
+    dqn = parse_cli(["--env", "atari:Breakout/no-sticky/84x84"])
+    assert dqn.preset == "atari_84" and dqn.network == "nature_cnn"
+    assert parse_cli(["--env", "atari:Pong/48x48"]).preset == "atari"
 
 
 def test_flags_override_the_preset():
@@ -51,6 +55,11 @@ def test_unknown_preset_is_a_clear_error():
         ("reward_scale", float("inf"), "must be positive and finite"),
         ("stop_eval_episodes", -1, "stop_eval_episodes must not be negative"),
         ("stop_eval_episodes", 20, "give --stop-at-return too"),
+        ("batch_passes", 0, "batch_passes must be at least 1"),
+        ("minibatches", 3, "must divide batch_size"),
+        ("minibatches", 0, "must divide batch_size"),
+        ("policy_clip", 1.5, "must be in \\(0, 1\\)"),
+        ("policy_clip", 0.0, "must be in \\(0, 1\\)"),
     ],
 )
 def test_bad_values_say_why(field, value, message):

@@ -27,9 +27,10 @@ def test_atari_names_map_to_shipped_roms():
 
 def test_atari_spec_and_settings_follow_machado_v5():
     spec = registry.spec("atari:Pong")
-    assert str(spec.observation) == "uint8[1,84,84]"  # one frame on the wire
+    assert str(spec.observation) == "uint8[1,42,42]"  # one frame on the wire
     assert spec.frame_stack == 4
-    assert str(spec.model_observation) == "uint8[4,84,84]"  # four on the learner
+    assert str(spec.model_observation) == "uint8[4,42,42]"  # four on the learner
+    assert str(registry.spec("atari:Pong/84x84").observation) == "uint8[1,84,84]"
     assert spec.action.num_actions == 6  # Pong's minimal action set
     assert spec.frames_per_step == 4
     assert ATARI_SETTINGS["repeat_action_probability"] == 0.25
@@ -45,7 +46,7 @@ def test_atari_vector_env_truncates_then_resets_in_the_next_step():
     # A 40-frame limit: truncation after 10 agent steps of 4 frames.
     env = AtariVectorEnv("Pong", num_envs=2, seed=3, settings={"max_num_frames_per_episode": 40})
     first = env.reset(seed=3)
-    assert first.observations.shape == (2, 1, 84, 84)
+    assert first.observations.shape == (2, 1, 42, 42)
     assert first.observations.dtype == np.uint8
     for step_index in range(1, 11):
         step = env.step(np.zeros(2, np.int32))
@@ -141,3 +142,29 @@ def test_the_construction_seed_fixes_the_first_episode_and_only_the_first(env_id
     assert not np.array_equal(_episode_start(first, 60), episode)  # the next one differs
     first.close()
     second.close()
+
+
+def test_atari_options_set_the_frame_size_and_sticky_actions():
+    from envs.atari import parse_name
+
+    assert parse_name("Pong") == ("Pong", {})
+    assert parse_name("Pong/84x84") == ("Pong", {"img_height": 84, "img_width": 84})
+    assert parse_name("Breakout/no-sticky/42x42") == (
+        "Breakout",
+        {"repeat_action_probability": 0.0, "img_height": 42, "img_width": 42},
+    )
+    spec = registry.spec("atari:Pong/42x42")
+    assert spec.env_id == "atari:Pong/42x42"
+    assert (
+        str(spec.observation) == "uint8[1,42,42]"
+        and str(spec.model_observation) == "uint8[4,42,42]"
+    )
+    env = registry.make("atari:Pong/42x42/no-sticky", 2, seed=0)
+    assert env.reset().observations.shape == (2, 1, 42, 42)
+    env.close()
+
+
+@pytest.mark.parametrize("name", ["Pong/42x43", "Pong/8x8", "Pong/999x999", "Pong/sticky", "Pong/"])
+def test_unknown_or_out_of_range_atari_options_are_refused_by_name(name):
+    with pytest.raises(ValueError, match="options are SIZExSIZE"):
+        registry.spec(f"atari:{name}")

@@ -81,7 +81,8 @@ class NativeStack:
         return self.env.step(actions)[0]
 
 
-def test_learner_stacks_equal_ale_pys_own_through_store_trainer_and_evaluation():
+@pytest.mark.parametrize("size", [84, 42])
+def test_learner_stacks_equal_ale_pys_own_through_store_trainer_and_evaluation(size):
     """The same games, seeds and actions: ale-py stacking 4 frames itself, and
     one frame per step stacked by the learner. Inference inputs (the store's
     `observe`), training inputs (unrolls -> stack_unrolls -> stack_frames on
@@ -91,10 +92,10 @@ def test_learner_stacks_equal_ale_pys_own_through_store_trainer_and_evaluation()
 
     num_envs, seed, steps, unroll_length = 3, 11, 80, 5
     settings = {"max_num_frames_per_episode": 52}  # a truncation every 13 agent steps
-    native = NativeStack(num_envs, seed, settings)
-    env = AtariVectorEnv("Pong", num_envs, seed=seed, settings=settings)
+    native = NativeStack(num_envs, seed, {**settings, "img_height": size, "img_width": size})
+    env = AtariVectorEnv(f"Pong/{size}x{size}", num_envs, seed=seed, settings=settings)
     spec = env.spec
-    assert spec.frame_stack == 4 and spec.observation.shape == (1, 84, 84)
+    assert spec.frame_stack == 4 and spec.observation.shape == (1, size, size)
     store = UnrollStore(unroll_length, spec.observation, initial_slots=8, frame_stack=4)
     slots = store.allocate(owner=7, count=num_envs)
     owners = np.full(num_envs, 7)
@@ -128,7 +129,7 @@ def test_learner_stacks_equal_ale_pys_own_through_store_trainer_and_evaluation()
     for start in range(0, len(unrolls), num_envs):
         batch = unrolls[start : start + num_envs]
         trajectories, versions = stack_unrolls(batch)
-        assert trajectories.observations.shape == (unroll_length + 4, num_envs, 1, 84, 84)
+        assert trajectories.observations.shape == (unroll_length + 4, num_envs, 1, size, size)
         stacked = np.asarray(
             jax.jit(stack_frames)(trajectories.observations, trajectories.frame_index)
         )

@@ -54,7 +54,7 @@ def test_the_learners_inference_batches_are_read_in_place(tmp_path):
     from learner.learner import Learner
     from tests.fleet import learner_config
 
-    learner = Learner(learner_config("atari:Pong", tmp_path / "run", inference_batch_size=64))
+    learner = Learner(learner_config("atari:Pong/84x84", tmp_path / "run", inference_batch_size=64))
     buffers = learner.inference._buffers
     assert sorted(buffers) == [1, 2, 4, 8, 16, 32, 64]
     for size, buffer in buffers.items():

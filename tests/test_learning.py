@@ -141,7 +141,7 @@ def test_an_untrained_agent_evaluates_far_lower(tmp_path):
 
 
 def test_pong_trains_through_the_real_path(tmp_path):
-    """A short Pong run with the Nature CNN: frames flow, updates happen, exit is clean."""
+    """A short Pong run with the Atari preset: frames flow, updates happen, exit is clean."""
     learner, port = run_learner(
         tmp_path,
         "--env",
@@ -151,7 +151,7 @@ def test_pong_trains_through_the_real_path(tmp_path):
         "--unroll-length",
         "5",
         "--batch-size",
-        "4",
+        "8",
         "--unroll-queue-size",
         "8",
         "--inference-batch-size",

@@ -47,6 +47,13 @@ REQUIRED_TAGS = {
     "inference/latency_ms",
     "learner/unroll_queue_depth",
     "fleet/connected_actors",
+    # Learning health: whether an agent learns before its return moves.
+    "learning/explained_variance",
+    "learning/advantage_std",
+    "learning/value_target_std",
+    "learning/value_mean",
+    "policy/kl_behaviour",
+    "policy/kl_update",
 }
 REQUIRED_SAMPLES = {
     "seedrl_env_steps_total",
@@ -69,6 +76,12 @@ REQUIRED_SAMPLES = {
     "seedrl_connected_actors",
     "seedrl_dropped_unrolls_total",
     "seedrl_dropped_transitions_total",
+    "seedrl_explained_variance",
+    "seedrl_advantage_std",
+    "seedrl_value_target_std",
+    "seedrl_value_mean",
+    "seedrl_policy_kl_behaviour",
+    "seedrl_policy_kl_update",
 }
 
 
@@ -235,6 +248,33 @@ def test_metrics_parse_with_prometheus_clients_parser(fleet):
         s.name: s.value for f in text_string_to_metric_families(later.decode()) for s in f.samples
     }
     assert again["seedrl_env_steps_total"] >= samples["seedrl_env_steps_total"].value
+
+
+HEALTH_FIELDS = (
+    "explained_variance",
+    "advantage_std",
+    "value_target_std",
+    "value_mean",
+    "kl_behaviour",
+    "kl_update",
+)
+
+
+def test_learning_health_figures_reach_metrics_jsonl(fleet):
+    records = [
+        json.loads(line) for line in (fleet.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    trained = [r for r in records if r["updates"] and r["loss"] is not None]
+    assert trained, "no record of an interval with updates"
+    for field in HEALTH_FIELDS:
+        values = [r[field] for r in trained if r[field] is not None]
+        assert values, f"{field} is never set in metrics.jsonl"
+    latest = trained[-1]
+    # CartPole's targets vary (a reward every step): the baseline explains some of them.
+    assert latest["explained_variance"] is not None and latest["explained_variance"] <= 1.0
+    assert latest["advantage_std"] > 0 and latest["value_target_std"] > 0
+    assert latest["kl_behaviour"] >= 0 and latest["kl_update"] >= 0
+    assert any(r["kl_update"] > 0 for r in trained)
 
 
 def test_status_lists_the_running_actors(fleet):

@@ -26,7 +26,7 @@ from learner.devices import Placement
 from learner.frame_stack import stack_frames
 from learner.networks import PolicyOutput
 from learner.ops.onednn_conv import for_inference
-from learner.ops.vtrace import vtrace
+from learner.ops.vtrace import VTraceReturns, vtrace
 from learner.rewards import training_rewards
 
 Params = Any
@@ -69,6 +69,11 @@ class LossSettings(NamedTuple):
     reward_clipping: Literal["abs_one", "none"]
     reward_scale: float = 1.0
     """Rewards are multiplied by this before clipping."""
+    policy_clip: float | None = None
+    """PPO's clip of pi/mu in the policy loss (with V-trace's advantages); None: V-trace's
+    policy gradient."""
+    normalize_advantages: bool = False
+    """Advantages scaled to zero mean and unit variance over each batch."""
 
 
 class TrainState(NamedTuple):
@@ -113,10 +118,8 @@ def vtrace_inputs(
     return VTraceInputs(log_rhos, discounts, rewards, values_t, bootstrap_value, mask)
 
 
-def loss_fn(
-    params: Params, apply_fn: ApplyFn, batch: Trajectories, settings: LossSettings
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The IMPALA loss, averaged over the T x B transitions of the batch."""
+def policy_outputs(params: Params, apply_fn: ApplyFn, batch: Trajectories) -> PolicyOutput:
+    """The network on every step of `batch`: logits [T+1, B, A] and values [T+1, B]."""
     steps, batch_size = batch.actions.shape
     observations = batch.observations
     if batch.frame_index is not None:
@@ -125,13 +128,57 @@ def loss_fn(
         # The core unrolled from the state inference had before step 0, reset where
         # episodes start, as it ran when acting.
         output, _ = apply_fn(params, observations, batch.first, batch.core_state[0])
-        logits, values = output.logits[:-1], output.values
-    else:
-        flat_observations = observations.reshape(steps * batch_size, *observations.shape[2:])
-        output = apply_fn(params, flat_observations)
-        logits = output.logits.reshape(steps, batch_size, -1)[:-1]
-        values = output.values.reshape(steps, batch_size)
+        return output
+    flat_observations = observations.reshape(steps * batch_size, *observations.shape[2:])
+    output = apply_fn(params, flat_observations)
+    return PolicyOutput(
+        logits=output.logits.reshape(steps, batch_size, -1),
+        values=output.values.reshape(steps, batch_size),
+    )
 
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _masked_variance(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return _masked_mean(jnp.square(x - _masked_mean(x, mask)), mask)
+
+
+def learning_health(
+    inputs: VTraceInputs, targets: VTraceReturns, advantages: jax.Array
+) -> dict[str, jax.Array]:
+    """Figures that show whether an agent learns before its return moves, over the batch's
+    real transitions.
+
+    explained_variance: 1 - Var[v_s - V(x_s)] / Var[v_s], how much of the value targets'
+    spread the baseline predicts (NaN while the targets do not vary); near 0 or below, the
+    advantages are mostly the baseline's error. advantage_std and value_target_std: the
+    scales the policy gradient and the value loss work with. kl_behaviour: KL(mu || pi) of
+    the policy that acted from the one that learns, estimated from the taken actions
+    ((rho - 1) - log rho, unbiased and never negative).
+    """
+    mask = inputs.mask
+    values = jax.lax.stop_gradient(inputs.values)
+    target_variance = _masked_variance(targets.vs, mask)
+    residual_variance = _masked_variance(targets.vs - values, mask)
+    explained = jnp.where(target_variance > 0, 1.0 - residual_variance / target_variance, jnp.nan)
+    log_rhos = jax.lax.stop_gradient(inputs.log_rhos)
+    return {
+        "explained_variance": explained,
+        "advantage_std": jnp.sqrt(_masked_variance(advantages, mask)),
+        "value_target_std": jnp.sqrt(target_variance),
+        "kl_behaviour": _masked_mean(jnp.expm1(log_rhos) - log_rhos, mask),
+    }
+
+
+def loss_fn(
+    params: Params, apply_fn: ApplyFn, batch: Trajectories, settings: LossSettings
+) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
+    """The IMPALA loss, averaged over the T x B transitions of the batch, with its metrics
+    and the logits [T+1, B, A] it was computed from (for the update's KL)."""
+    output = policy_outputs(params, apply_fn, batch)
+    logits, values = output.logits[:-1], output.values
     log_policy = jax.nn.log_softmax(logits)
     actions = batch.actions[:-1]
     target_log_probs = jnp.take_along_axis(log_policy, actions[..., None], axis=-1)[..., 0]
@@ -146,11 +193,33 @@ def loss_fn(
         clip_rho_threshold=settings.clip_rho_threshold,
         clip_pg_rho_threshold=settings.clip_pg_rho_threshold,
     )
-    count = inputs.mask.size
-    policy_loss = -jnp.sum(target_log_probs * targets.pg_advantages * inputs.mask) / count
-    baseline_loss = 0.5 * jnp.sum(jnp.square(targets.vs - inputs.values) * inputs.mask) / count
+    mask = inputs.mask
+    count = mask.size
+    if settings.policy_clip is None:
+        advantages = targets.pg_advantages
+    else:
+        # The clipped surrogate weighs by the ratio itself: the advantage without rho.
+        vs_tp1 = jnp.concatenate([targets.vs[1:], inputs.bootstrap_value[None]], axis=0)
+        advantages = jax.lax.stop_gradient(
+            inputs.rewards + inputs.discounts * vs_tp1 - inputs.values
+        )
+    health = learning_health(inputs, targets, advantages)
+    if settings.normalize_advantages:
+        advantages = (advantages - _masked_mean(advantages, mask)) / (
+            health["advantage_std"] + 1e-8
+        )
+    if settings.policy_clip is None:
+        policy_loss = -jnp.sum(target_log_probs * advantages * mask) / count
+    else:
+        # PPO's clipped surrogate against the policy that acted (APPO): several passes
+        # over one batch cannot move the policy far from mu on its actions.
+        ratio = jnp.exp(inputs.log_rhos)
+        clipped = jnp.clip(ratio, 1.0 - settings.policy_clip, 1.0 + settings.policy_clip)
+        surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
+        policy_loss = -jnp.sum(surrogate * mask) / count
+    baseline_loss = 0.5 * jnp.sum(jnp.square(targets.vs - inputs.values) * mask) / count
     entropy = -jnp.sum(jnp.exp(log_policy) * log_policy, axis=-1)
-    entropy_mean = jnp.sum(entropy * inputs.mask) / count
+    entropy_mean = jnp.sum(entropy * mask) / count
     entropy_loss = -settings.entropy_cost * entropy_mean
     total = policy_loss + settings.baseline_cost * baseline_loss + entropy_loss
     metrics = {
@@ -160,10 +229,27 @@ def loss_fn(
         "entropy_loss": entropy_loss,
         "entropy": entropy_mean,
         "value_mean": jnp.mean(values),
-        "rho_mean": jnp.sum(jnp.exp(inputs.log_rhos) * inputs.mask)
-        / jnp.maximum(jnp.sum(inputs.mask), 1.0),
+        "rho_mean": _masked_mean(jnp.exp(inputs.log_rhos), mask),
+        **health,
     }
-    return total, metrics
+    return total, (metrics, jax.lax.stop_gradient(output.logits))
+
+
+KL_UNROLLS = 4
+"""Unrolls of each batch (per device) the policy is run on again after the update, for the
+KL between consecutive policies: a few percent of the update's compute."""
+
+
+def update_kl(
+    apply_fn: ApplyFn, params: Params, batch: Trajectories, logits_before: jax.Array
+) -> jax.Array:
+    """Mean KL(pi_before || pi_after) over the steps of the batch's first KL_UNROLLS unrolls,
+    `logits_before` [T+1, B, A] being the policy's before the update, `params` after it."""
+    columns = min(KL_UNROLLS, batch.actions.shape[1])
+    subset = jax.tree.map(lambda x: x[:, :columns], batch)
+    after = jax.nn.log_softmax(policy_outputs(params, apply_fn, subset).logits)
+    before = jax.nn.log_softmax(logits_before[:, :columns])
+    return jnp.mean(jnp.sum(jnp.exp(before) * (before - after), axis=-1))
 
 
 def make_optimizer(
@@ -207,19 +293,21 @@ def make_update_fn(
 
     axis = placement.axis_name if placement is not None and placement.sharded else None
 
-    def share_of_loss(params: Params, batch: Trajectories) -> tuple[jax.Array, dict]:
-        total, metrics = loss_fn(params, apply_fn, batch, settings)
+    def share_of_loss(params: Params, batch: Trajectories) -> tuple[jax.Array, tuple]:
+        total, (metrics, logits) = loss_fn(params, apply_fn, batch, settings)
         if axis is None:
-            return total, metrics
+            return total, (metrics, logits)
         # In shard_map the gradient of the replicated parameters comes back summed over
         # the devices (the transpose of their broadcast is a psum: the all-reduce), so
         # each device's loss is divided by their number to make the sum the mean.
-        return total / jax.lax.axis_size(axis), jax.lax.pmean(metrics, axis)
+        return total / jax.lax.axis_size(axis), (jax.lax.pmean(metrics, axis), logits)
 
     def update(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, metrics = jax.grad(share_of_loss, has_aux=True)(state.params, batch)
+        grads, (metrics, logits) = jax.grad(share_of_loss, has_aux=True)(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        kl = update_kl(apply_fn, params, batch, logits)
+        metrics["kl_update"] = kl if axis is None else jax.lax.pmean(kl, axis)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         metrics["grad_norm"] = grad_norm
