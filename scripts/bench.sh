@@ -2,12 +2,18 @@
 # The benchmark: raw env, serving capacity, end to end, network compute vs PyTorch.
 # Usage: scripts/bench.sh [--cases abcde] [--short] [--out-dir DIR] [--duration-s S] ...
 #        (python -m bench --help lists every option)
+#        scripts/bench.sh learn [--games Pong Breakout ...] [--time-limit-min M] ...
+#        (minutes to a score with the README's train command: python -m bench.learn --help)
 # Prints a table per case; writes DIR/results.json and PNG plots (default DIR:
 # runs/bench-TIMESTAMP). About 11-14 minutes on 2 cores by default (13.2 at 133497f).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/setup.sh --bench
+if [ "${1:-}" = learn ]; then
+  shift
+  exec .venv/bin/python -m bench.learn "$@"
+fi
 # PyTorch is case (e)'s yardstick only, never a dependency of seedrl: it goes into
 # .venv beside the locked packages when pip can find it, and (e) says so when not.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then

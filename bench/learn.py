@@ -1,0 +1,305 @@
+"""`python -m bench.learn`: wall-clock minutes to a score, measured as a user gets them.
+
+Each game runs the README's train command, scripts/run_local.sh with its
+default fleet, from the moment the command starts (set-up, compilation and
+all) until the learner stops at the target, checked greedily
+(--stop-at-return TARGET --stop-eval-episodes 10), or the time limit ends
+it. A game without a target runs for the whole limit, its 100-episode mean
+read at fixed minutes. Writes OUT_DIR/learn.json (per game: minutes and env
+frames to the target, the curve, the settings the learner ran with, the
+machine and the commit) and OUT_DIR/learn-GAME.png (return over minutes and
+over env frames). Needs the machine to itself: the figure is wall-clock time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import tyro
+
+from bench import machine
+from learner.plot import read_metrics
+
+# Random and human scores of the usual Atari tables (Mnih et al. 2015, Badia et al.
+# 2020): where a score stands between the two.
+REFERENCE_SCORES: dict[str, tuple[float, float]] = {
+    "Pong": (-20.7, 14.6),
+    "Breakout": (1.7, 30.5),
+    "SpaceInvaders": (148.0, 1668.7),
+    "Qbert": (163.9, 13455.0),
+    "Seaquest": (68.4, 42054.7),
+    "BeamRider": (363.9, 16926.5),
+    "MsPacman": (307.3, 6951.6),
+}
+DEFAULT_TARGETS: dict[str, float] = {"Pong": 18.0}
+READ_AT_MINUTES = (15.0, 30.0, 60.0)
+STOP_GRACE_S = 60.0  # run_local's own SIGTERM handling stops the learner and actors
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnConfig:
+    """Minutes to a score on Atari games with the README's train command."""
+
+    games: tuple[str, ...] = ("Pong",)
+    """Atari games (ale-py names, e.g. Pong Breakout SpaceInvaders Qbert), or any env id
+    FAMILY:NAME (classic:CartPole-v1)."""
+    target: float | None = None
+    """Greedy-checked 100-episode mean to stop at; None: the game's default (Pong 18; other
+    games none: they run for --time-limit-min)."""
+    time_limit_min: float = 60.0
+    """Longest wall-clock time a game runs, set-up and compilation included."""
+    stop_eval_episodes: int = 10
+    """Greedy episodes that must also reach the target before the learner stops."""
+    env_options: str = ""
+    """Options added to each env id, e.g. "no-sticky" for atari:GAME/no-sticky (envs/atari.py)."""
+    num_actors: int = 0
+    """Actor processes; 0: run_local.sh's default."""
+    envs_per_actor: int = 0
+    """Envs per actor; 0: run_local.sh's default."""
+    learner_flags: tuple[str, ...] = ()
+    """Further learner flags, e.g. --learner-flags=--learning-rate=1e-3; none: the preset's."""
+    out_dir: str = ""
+    """Where the JSON, the plots and each game's run directory go; empty: runs/learn-TIME."""
+
+
+def file_name(game: str) -> str:
+    """A game or env id as a file name: "classic:CartPole-v1" -> "classic-CartPole-v1"."""
+    return game.replace(":", "-").replace("/", "-")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_records(run_dir: str) -> list[dict[str, Any]]:
+    """The learner's metrics.jsonl records; none when it wrote none."""
+    try:
+        return read_metrics(run_dir)
+    except FileNotFoundError:
+        return []
+
+
+def curve(records: list[dict[str, Any]], started: float) -> list[dict[str, Any]]:
+    """Per record: wall minutes since the command started, env frames, the 100-episode
+    mean, and the greedy check's mean where one finished in that interval."""
+    return [
+        {
+            "minutes": round((record["time"] - started) / 60.0, 3),
+            "env_frames": record["env_frames"],
+            "episode_return_mean": record.get("episode_return_mean"),
+            "stop_check_return": record.get("stop_check_return"),
+            "fps": record.get("fps"),
+        }
+        for record in records
+    ]
+
+
+def return_at(points: list[dict[str, Any]], minutes: float) -> float | None:
+    """The 100-episode mean of the last point at or before `minutes`; None when the run
+    did not last that long."""
+    if not points or points[-1]["minutes"] < minutes:
+        return None
+    before = [p for p in points if p["minutes"] <= minutes and p["episode_return_mean"] is not None]
+    return before[-1]["episode_return_mean"] if before else None
+
+
+def human_normalized(game: str, score: float | None) -> float | None:
+    if score is None or game not in REFERENCE_SCORES:
+        return None
+    random_score, human = REFERENCE_SCORES[game]
+    return round((score - random_score) / (human - random_score), 3)
+
+
+def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
+    """Runs scripts/run_local.sh on `game` to its target or the time limit."""
+    target = config.target if config.target is not None else DEFAULT_TARGETS.get(game)
+    env_id = game if ":" in game else f"atari:{game}"
+    if config.env_options:
+        env_id += f"/{config.env_options}"
+    run_dir = os.path.join(out_dir, f"run-{file_name(game)}")
+    command = [os.path.join(machine.ROOT, "scripts", "run_local.sh"), env_id]
+    if config.num_actors or config.envs_per_actor:
+        command += [str(config.num_actors or 4), str(config.envs_per_actor or 8)]
+    flags = list(config.learner_flags)
+    if target is not None:
+        flags += [
+            "--stop-at-return",
+            str(target),
+            "--stop-eval-episodes",
+            str(config.stop_eval_episodes),
+        ]
+    command += ["--", *flags]
+    environment = {
+        **os.environ,
+        "SEEDRL_RUN_DIR": run_dir,
+        "SEEDRL_PORT": str(free_port()),
+        "SEEDRL_HTTP_PORT": "0",
+    }
+    print(f"learn: {game}: {' '.join(command)}", flush=True)
+    log_path = os.path.join(out_dir, f"run-{file_name(game)}.log")
+    started = time.time()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=machine.ROOT,
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            exit_code: int | None = process.wait(timeout=config.time_limit_min * 60.0)
+        except subprocess.TimeoutExpired:
+            exit_code = None
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        except BaseException:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait()
+            raise
+    ended = time.time()
+    points = curve(read_records(run_dir), started)
+    reached = target is not None and exit_code == 0 and _stopped_at_return(log_path)
+    settings = None
+    if os.path.exists(os.path.join(run_dir, "config.json")):
+        with open(os.path.join(run_dir, "config.json")) as file:
+            settings = json.load(file)
+    checks = [p["stop_check_return"] for p in points if p["stop_check_return"] is not None]
+    final = points[-1] if points else {}
+    random_score, human = REFERENCE_SCORES.get(game, (None, None))
+    return {
+        "game": game,
+        "env_id": env_id,
+        "target": target,
+        "reached": reached,
+        "minutes_to_target": round((ended - started) / 60.0, 2) if reached else None,
+        "env_frames_to_target": final.get("env_frames") if reached else None,
+        "greedy_check_returns": checks,
+        "minutes_run": round((ended - started) / 60.0, 2),
+        "env_frames_run": final.get("env_frames"),
+        "final_return_mean": final.get("episode_return_mean"),
+        "returns_at_minutes": {f"{m:g}": return_at(points, m) for m in READ_AT_MINUTES},
+        "random_score": random_score,
+        "human_score": human,
+        "exit_code": exit_code,
+        "command": command,
+        "learner_settings": settings,
+        "curve": points,
+        "log": log_path,
+    }
+
+
+def _stopped_at_return(log_path: str) -> bool:
+    """Whether the learner's log says it stopped because the return reached the target."""
+    with open(log_path, errors="replace") as log:
+        return any("training finished" in line and "mean return" in line for line in log)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """The 100-episode mean over wall minutes and over env frames, with the target and
+    the random and human scores."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in result["curve"] if p["episode_return_mean"] is not None]
+    figure, (by_time, by_frames) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    minutes = [p["minutes"] for p in points]
+    frames = [p["env_frames"] / 1e6 for p in points]
+    returns = [p["episode_return_mean"] for p in points]
+    for axes, xs, label in (
+        (by_time, minutes, "wall-clock minutes"),
+        (by_frames, frames, "env frames (millions)"),
+    ):
+        axes.plot(xs, returns, color="#4878a8", label="100-episode mean")
+        checks = [
+            (x, p["stop_check_return"])
+            for x, p in zip(xs, points, strict=True)
+            if p["stop_check_return"] is not None
+        ]
+        if checks:
+            axes.scatter(
+                *zip(*checks, strict=True), color="#c4723c", s=14, label="greedy check", zorder=3
+            )
+        for value, style, name in (
+            (result["target"], "--", "target"),
+            (result["random_score"], ":", "random"),
+            (result["human_score"], "-.", "human"),
+        ):
+            if value is not None and (
+                name != "human" or value <= max(returns, default=value) * 1.5
+            ):
+                axes.axhline(value, color="grey", linestyle=style, linewidth=1, label=name)
+        axes.set_xlabel(label)
+        axes.grid(alpha=0.3)
+    by_time.set_ylabel("return")
+    by_time.legend(fontsize=8)
+    status = (
+        f"{result['target']:g} in {result['minutes_to_target']:.1f} min, "
+        f"{result['env_frames_to_target'] / 1e6:.1f}M frames"
+        if result["reached"]
+        else f"{result['minutes_run']:.0f} min run"
+    )
+    figure.suptitle(f"{result['env_id']}: {status}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    reads = ", ".join(
+        f"{m} min {'-' if v is None else f'{v:.1f}'}"
+        for m, v in result["returns_at_minutes"].items()
+    )
+    if result["reached"]:
+        head = (
+            f"{result['target']:g} reached in {result['minutes_to_target']:.1f} min, "
+            f"{result['env_frames_to_target']:,} env frames"
+        )
+    elif result["target"] is not None:
+        head = f"{result['target']:g} not reached in {result['minutes_run']:.1f} min"
+    else:
+        head = f"{result['minutes_run']:.1f} min"
+    return f"{result['env_id']}: {head}; 100-episode mean at {reads}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = tyro.cli(LearnConfig, args=argv, prog="python -m bench.learn")
+    out_dir = os.path.abspath(
+        config.out_dir or os.path.join("runs", time.strftime("learn-%Y%m%d-%H%M%S"))
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    context = machine.context(dataclasses.asdict(config))
+    results = []
+    for game in config.games:
+        result = run_game(config, game, out_dir)
+        results.append(result)
+        plot(result, os.path.join(out_dir, f"learn-{file_name(game)}.png"))
+        print(f"learn: {summary_line(result)}", flush=True)
+        with open(os.path.join(out_dir, "learn.json"), "w") as file:
+            json.dump({**context, "games": results}, file, indent=2)
+            file.write("\n")
+    print(f"learn: wrote {os.path.join(out_dir, 'learn.json')}", flush=True)
+    targets = [r for r in results if r["target"] is not None]
+    return 0 if all(r["reached"] for r in targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The learning benchmark (bench/learn.py): the README's train command to a score.
+
+A CartPole run reaches its target through the real path (run_local.sh, the
+learner, actor processes, the greedy check) and is reported whole; a Pong
+run that cannot reach its target is stopped at its time limit and still
+reports its curve.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench import learn
+from tests.fleet import ROOT
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_learn(out_dir, *args: str, timeout: float) -> tuple[int, str, dict]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.learn", "--out-dir", str(out_dir), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    report = json.loads((out_dir / "learn.json").read_text())
+    return completed.returncode, completed.stdout + completed.stderr, report
+
+
+def test_a_run_that_reaches_its_target_reports_minutes_frames_and_its_curve(tmp_path):
+    code, output, report = run_learn(
+        tmp_path,
+        "--games",
+        "classic:CartPole-v1",
+        "--target",
+        "150",
+        "--time-limit-min",
+        "8",
+        timeout=600,
+    )
+    assert code == 0, output[-3000:]
+    (game,) = report["games"]
+    assert game["reached"], output[-3000:]
+    assert game["env_id"] == "classic:CartPole-v1" and game["target"] == 150
+    assert 0 < game["minutes_to_target"] <= 8
+    assert game["env_frames_to_target"] > 0
+    # The learner stopped only once its greedy episodes reached the target too.
+    assert game["greedy_check_returns"] and game["greedy_check_returns"][-1] >= 150
+    curve = game["curve"]
+    assert len(curve) >= 3
+    assert [p["env_frames"] for p in curve] == sorted(p["env_frames"] for p in curve)
+    assert curve[-1]["minutes"] <= game["minutes_to_target"]
+    assert game["learner_settings"]["env"] == "classic:CartPole-v1"
+    assert game["learner_settings"]["stop_at_return"] == 150
+    assert report["commit"] and report["machine"]["logical_cores"] >= 1
+    assert (tmp_path / "learn-classic-CartPole-v1.png").read_bytes()[:8] == PNG_MAGIC
+    assert "150 reached in" in output
+
+
+def test_a_run_out_of_time_is_stopped_and_still_reports_its_curve(tmp_path):
+    code, output, report = run_learn(
+        tmp_path, "--games", "Pong", "--time-limit-min", "1", timeout=300
+    )
+    assert code == 1, output[-3000:]  # Pong's +18 is not reached in a minute
+    (game,) = report["games"]
+    assert game["env_id"] == "atari:Pong" and game["target"] == 18.0
+    assert not game["reached"] and game["minutes_to_target"] is None
+    assert 1.0 <= game["minutes_run"] < 3.0
+    assert game["curve"] and game["env_frames_run"] > 0
+    assert game["random_score"] == learn.REFERENCE_SCORES["Pong"][0]
+    assert game["returns_at_minutes"] == {"15": None, "30": None, "60": None}
+    assert (tmp_path / "learn-Pong.png").read_bytes()[:8] == PNG_MAGIC
+    # run_local.sh stopped every process it started.
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def test_returns_are_read_at_the_last_point_before_each_mark():
+    points = [
+        {"minutes": 1.0, "episode_return_mean": None},
+        {"minutes": 14.9, "episode_return_mean": -20.0},
+        {"minutes": 15.1, "episode_return_mean": -10.0},
+        {"minutes": 29.0, "episode_return_mean": 5.0},
+    ]
+    assert learn.return_at(points, 15.0) == -20.0
+    assert learn.return_at(points, 30.0) is None  # the run ended before 30 minutes
+    assert learn.return_at(points, 0.5) is None
+    assert learn.human_normalized("Pong", 14.6) == 1.0
+    assert learn.human_normalized("Pong", -20.7) == 0.0
