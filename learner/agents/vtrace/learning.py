@@ -137,12 +137,17 @@ def policy_outputs(params: Params, apply_fn: ApplyFn, batch: Trajectories) -> Po
     )
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+def _masked_mean(x: jax.Array, mask: jax.Array, axis: str | None = None) -> jax.Array:
+    """The mean of x where mask is 1; with `axis`, over every device's share of the batch
+    (inside shard_map), so that several devices see the one device's figure."""
+    total, count = jnp.sum(x * mask), jnp.sum(mask)
+    if axis is not None:
+        total, count = jax.lax.psum(total, axis), jax.lax.psum(count, axis)
+    return total / jnp.maximum(count, 1.0)
 
 
-def _masked_variance(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return _masked_mean(jnp.square(x - _masked_mean(x, mask)), mask)
+def _masked_variance(x: jax.Array, mask: jax.Array, axis: str | None = None) -> jax.Array:
+    return _masked_mean(jnp.square(x - _masked_mean(x, mask, axis)), mask, axis)
 
 
 def learning_health(
@@ -173,10 +178,16 @@ def learning_health(
 
 
 def loss_fn(
-    params: Params, apply_fn: ApplyFn, batch: Trajectories, settings: LossSettings
+    params: Params,
+    apply_fn: ApplyFn,
+    batch: Trajectories,
+    settings: LossSettings,
+    axis: str | None = None,
 ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
     """The IMPALA loss, averaged over the T x B transitions of the batch, with its metrics
-    and the logits [T+1, B, A] it was computed from (for the update's KL)."""
+    and the logits [T+1, B, A] it was computed from (for the update's KL). With `axis` (the
+    batch split over devices in shard_map) the advantages are normalised with the whole
+    batch's statistics, as on one device."""
     output = policy_outputs(params, apply_fn, batch)
     logits, values = output.logits[:-1], output.values
     log_policy = jax.nn.log_softmax(logits)
@@ -205,9 +216,9 @@ def loss_fn(
         )
     health = learning_health(inputs, targets, advantages)
     if settings.normalize_advantages:
-        advantages = (advantages - _masked_mean(advantages, mask)) / (
-            health["advantage_std"] + 1e-8
-        )
+        mean = _masked_mean(advantages, mask, axis)
+        std = jnp.sqrt(_masked_variance(advantages, mask, axis))
+        advantages = (advantages - mean) / (std + 1e-8)
     if settings.policy_clip is None:
         policy_loss = -jnp.sum(target_log_probs * advantages * mask) / count
     else:
@@ -294,7 +305,7 @@ def make_update_fn(
     axis = placement.axis_name if placement is not None and placement.sharded else None
 
     def share_of_loss(params: Params, batch: Trajectories) -> tuple[jax.Array, tuple]:
-        total, (metrics, logits) = loss_fn(params, apply_fn, batch, settings)
+        total, (metrics, logits) = loss_fn(params, apply_fn, batch, settings, axis)
         if axis is None:
             return total, (metrics, logits)
         # In shard_map the gradient of the replicated parameters comes back summed over
