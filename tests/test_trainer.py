@@ -169,27 +169,34 @@ def test_a_finite_update_resets_the_count_of_skipped_ones():
     assert trainer._stats.counters()["skipped_updates"] == 4
 
 
-def test_each_batch_is_trained_on_batch_passes_times():
-    """--batch-passes: every batch gives that many updates, each publishing its version."""
+def train_recording(values: list[int], updates: int, record, **kw) -> tuple[list, int]:
+    """Trains on unrolls of `values` until `updates` updates, recording what `record`
+    takes of each update's batch; returns the records and the published version."""
     unrolls: queue.Queue = queue.Queue()
     parameters = ParameterSource(params={"w": 1})
     failures: list = []
     seen: list = []
 
-    def counting_update(state, batch):
-        seen.append(batch)
+    def recording_update(state, batch):
+        seen.append(record(batch))
         return fake_update(state, batch)
 
-    trainer = make_trainer(unrolls, parameters, failures, counting_update, batch_passes=3)
-    for value in range(4):
+    trainer = make_trainer(unrolls, parameters, failures, recording_update, **kw)
+    for value in values:
         unrolls.put(unroll(value))
     trainer.start()
     try:
-        wait_until(lambda: int(trainer.state.updates) == 6, 30, "six updates")
+        wait_until(lambda: int(trainer.state.updates) == updates, 30, f"{updates} updates")
     finally:
         trainer.stop()
     assert not failures
-    assert parameters.latest()[1] == 6
+    return seen, parameters.latest()[1]
+
+
+def test_each_batch_is_trained_on_batch_passes_times():
+    """--batch-passes: every batch gives that many updates, each publishing its version."""
+    seen, version = train_recording([0, 1, 2, 3], 6, lambda batch: batch, batch_passes=3)
+    assert version == 6
     # Three passes over each of the two batches: the same device batch each time.
     assert seen[0] is seen[1] is seen[2] and seen[3] is seen[4] is seen[5]
     assert seen[0] is not seen[3]
@@ -198,24 +205,11 @@ def test_each_batch_is_trained_on_batch_passes_times():
 def test_minibatches_cut_each_batch_along_its_unrolls():
     """--minibatches 2 with --batch-passes 2: four updates per batch of two unrolls, each on
     one unroll, in the order first, second, first, second."""
-    unrolls: queue.Queue = queue.Queue()
-    parameters = ParameterSource(params={"w": 1})
-    failures: list = []
-    seen: list = []
-
-    def recording_update(state, batch):
-        seen.append(np.asarray(batch.observations)[0, :, 0].tolist())
-        return fake_update(state, batch)
-
-    trainer = make_trainer(
-        unrolls, parameters, failures, recording_update, batch_passes=2, minibatches=2
+    seen, _ = train_recording(
+        [7, 9],
+        4,
+        lambda batch: np.asarray(batch.observations)[0, :, 0].tolist(),
+        batch_passes=2,
+        minibatches=2,
     )
-    unrolls.put(unroll(7))
-    unrolls.put(unroll(9))
-    trainer.start()
-    try:
-        wait_until(lambda: int(trainer.state.updates) == 4, 30, "four updates")
-    finally:
-        trainer.stop()
-    assert not failures
     assert seen == [[7.0], [9.0], [7.0], [9.0]]
