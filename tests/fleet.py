@@ -229,3 +229,15 @@ def processes_matching(text: str) -> list[int]:
         if text in command and state != "Z":
             pids.append(int(entry.name))
     return pids
+
+
+def written_records(path) -> list[dict]:
+    """The records of a metrics.jsonl a live learner may be writing: only lines whose
+    newline has been written (a long record can reach the file in two writes)."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]

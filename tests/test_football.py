@@ -8,7 +8,6 @@ runs everywhere.
 from __future__ import annotations
 
 import importlib.util
-import json
 import subprocess
 import time
 
@@ -19,7 +18,14 @@ import pytest
 from envs import football, registry
 from learner.config import preset_for
 from learner.networks import _unpack_bits, make_network
-from tests.fleet import LearnerThread, learner_argv, learner_config, spawn_actor, wait_until
+from tests.fleet import (
+    LearnerThread,
+    learner_argv,
+    learner_config,
+    spawn_actor,
+    wait_until,
+    written_records,
+)
 
 HAVE_GFOOTBALL = importlib.util.find_spec("gfootball") is not None
 needs_engine = pytest.mark.skipif(
@@ -208,9 +214,7 @@ def test_a_learner_and_two_actors_train_on_an_academy_scenario(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
 
     def records() -> list[dict]:
-        if not metrics.exists():
-            return []
-        return [json.loads(line) for line in metrics.read_text().splitlines() if line]
+        return written_records(metrics)
 
     try:
         wait_until(

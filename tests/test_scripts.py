@@ -17,6 +17,7 @@ from tests.fleet import (
     learner_config,
     processes_matching,
     wait_until,
+    written_records,
 )
 
 RUN_LOCAL = str(ROOT / "scripts" / "run_local.sh")
@@ -87,8 +88,7 @@ def test_run_local_stops_every_process_on_sigterm(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
 
     def serving() -> bool:
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        return any(json.loads(x)["env_steps"] > 0 for x in lines)
+        return any(record["env_steps"] > 0 for record in written_records(metrics))
 
     try:
         wait_until(serving, 180, "the local run to train")

@@ -25,7 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from learner import checkpoint
 from learner.stats import LearnerStats
 from learner.telemetry import TENSORBOARD_TAGS, ActorTable, Telemetry, actor_name
-from tests.fleet import ROOT, LearnerThread, learner_config, spawn_actor, wait_until
+from tests.fleet import (
+    ROOT,
+    LearnerThread,
+    learner_config,
+    spawn_actor,
+    wait_until,
+    written_records,
+)
 
 ENV = "classic:CartPole-v1"
 ARTIFACTS = pathlib.Path(os.environ.get("SEEDRL_TEST_ARTIFACTS", ROOT / "runs" / "test-artifacts"))
@@ -261,9 +268,7 @@ HEALTH_FIELDS = (
 
 
 def test_learning_health_figures_reach_metrics_jsonl(fleet):
-    records = [
-        json.loads(line) for line in (fleet.run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
+    records = written_records(fleet.run_dir / "metrics.jsonl")
     trained = [r for r in records if r["updates"] and r["loss"] is not None]
     assert trained, "no record of an interval with updates"
     for field in HEALTH_FIELDS:
