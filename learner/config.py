@@ -302,17 +302,17 @@ class LearnerConfig:
 
 PRESETS: dict[str, LearnerConfig] = {
     # 42x42 frames and the compact CNN, trained as PPO trains Atari: advantages
-    # normalised, three passes over each batch in minibatches of two unrolls (a gradient
+    # normalised, two passes over each batch in minibatches of two unrolls (a gradient
     # step per 40 transitions), PPO's clip against the acting policy, lambda 0.95,
-    # gradients clipped to 0.5, Adam at twice PPO's 2.5e-4 (docs/learning.md has what
-    # was measured).
+    # gradients clipped to 0.5, Adam at three times PPO's 2.5e-4 (docs/learning.md has
+    # what was measured).
     "atari": LearnerConfig(
         env="atari:Pong",
         network="compact_cnn",
-        learning_rate=5e-4,
+        learning_rate=7.5e-4,
         batch_size=16,
         minibatches=8,
-        batch_passes=3,
+        batch_passes=2,
         policy_clip=0.2,
         normalize_advantages=True,
         vtrace_lambda=0.95,
