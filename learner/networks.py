@@ -28,14 +28,24 @@ def _images_to_float(observations: jax.Array) -> jax.Array:
     return jnp.transpose(observations.astype(jnp.float32) / 255.0, (0, 2, 3, 1))
 
 
+# Orthogonal kernels with ReLU's gain of sqrt 2 (Saxe et al.; PPO's Atari torso): each
+# layer keeps the scale of its input, where LeCun's variance halves it at every ReLU
+# layer. Atari frames share most of their pixels between states, so a torso's units
+# differ between states by a few percent of their mean; Adam's first steps move every
+# bias by about the learning rate whatever its gradient, and a torso that starts three
+# times smaller can have every unit switched off for every state in its first minute,
+# after which it outputs a constant and never learns (docs/learning.md).
+_relu_init = nn.initializers.orthogonal(jnp.sqrt(2.0))
+
+
 class _ConvReLU(nn.Module):
     """relu(nn.Conv(padding="VALID")(x)) as one op, with nn.Conv's parameters.
 
-    The parameters have nn.Conv's names, shapes and initialisers, so a network
-    of these has the tree (and, from one key, the values) it had with
-    nn.Conv. The op (ops/onednn_conv.py) runs on oneDNN in the policy on a
-    CPU and otherwise as lax's convolution, strided layers taking their input
-    gradient through space-to-depth (ops/strided_conv.py).
+    The parameters have nn.Conv's names and shapes, so checkpoints keep the
+    tree they had with nn.Conv; the kernel starts as `_relu_init`. The op
+    (ops/onednn_conv.py) runs on oneDNN in the policy on a CPU and otherwise as
+    lax's convolution, strided layers taking their input gradient through
+    space-to-depth (ops/strided_conv.py).
     """
 
     features: int
@@ -45,7 +55,7 @@ class _ConvReLU(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (*self.kernel_size, x.shape[-1], self.features)
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, jnp.float32)
+        kernel = self.param("kernel", _relu_init, shape, jnp.float32)
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
         return conv_bias_relu(x, kernel, bias, self.strides)
 
@@ -57,7 +67,7 @@ def _nature_layers(x: jax.Array, hidden_size: int) -> jax.Array:
     x = _ConvReLU(64, (4, 4), (2, 2), name="Conv_1")(x)
     x = _ConvReLU(64, (3, 3), (1, 1), name="Conv_2")(x)
     x = x.reshape(x.shape[0], -1)
-    return nn.relu(nn.Dense(hidden_size)(x))
+    return nn.relu(nn.Dense(hidden_size, kernel_init=_relu_init)(x))
 
 
 class NatureCNN(nn.Module):
@@ -82,7 +92,7 @@ class CompactCNN(nn.Module):
         x = _ConvReLU(16, (4, 4), (2, 2), name="Conv_0")(x)
         x = _ConvReLU(32, (4, 4), (2, 2), name="Conv_1")(x)
         x = x.reshape(x.shape[0], -1)
-        return nn.relu(nn.Dense(256)(x))
+        return nn.relu(nn.Dense(256, kernel_init=_relu_init)(x))
 
 
 class _ResidualBlock(nn.Module):

@@ -110,3 +110,26 @@ def test_actor_critic_heads_have_the_expected_shapes():
     output = network.apply(params, observations)
     assert output.logits.shape == (2, 6)
     assert output.values.shape == (2,)
+
+
+@pytest.mark.parametrize("name", ["nature_cnn", "compact_cnn", "smm_cnn"])
+def test_relu_torso_kernels_start_orthogonal_with_relus_gain(name):
+    """Each ReLU layer of the convolutional torsos starts with W^T W = 2 I (fan-in rows
+    by fan-out columns): it keeps its input's scale, where LeCun's variance halves it
+    at every layer and lets the first updates' bias steps switch whole torsos off."""
+    observation = {
+        "nature_cnn": np.zeros((1, 4, 84, 84), np.uint8),
+        "compact_cnn": np.zeros((1, 4, 42, 42), np.uint8),
+        "smm_cnn": np.zeros((1, 72, 96, 2), np.uint8),
+    }[name]
+    params = make_network(name, num_actions=6).init(jax.random.key(0), observation)
+    torso = params["params"]["torso"]
+    assert len(torso) >= 3, torso.keys()
+    for layer, leaves in torso.items():
+        kernel = np.asarray(leaves["kernel"], np.float64)
+        kernel = kernel.reshape(-1, kernel.shape[-1])
+        fan_in, fan_out = kernel.shape
+        assert fan_in >= fan_out, (layer, kernel.shape)
+        np.testing.assert_allclose(
+            kernel.T @ kernel, 2.0 * np.eye(fan_out), atol=1e-4, err_msg=f"{name} {layer}"
+        )
