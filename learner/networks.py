@@ -8,6 +8,7 @@ network, so the wire and the unroll store keep the compact uint8 form.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -35,7 +36,9 @@ def _images_to_float(observations: jax.Array) -> jax.Array:
 # bias by about the learning rate whatever its gradient, and a torso that starts three
 # times smaller can have every unit switched off for every state in its first minute,
 # after which it outputs a constant and never learns (docs/learning.md).
-_relu_init = nn.initializers.orthogonal(jnp.sqrt(2.0))
+# A Python float: a jax value here would start JAX's backend at import, before the entry
+# points choose the CPU device count.
+_relu_init = nn.initializers.orthogonal(math.sqrt(2.0))
 
 
 class _ConvReLU(nn.Module):
