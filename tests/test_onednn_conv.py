@@ -226,8 +226,9 @@ class _NatureWithFlaxConv(nn.Module):
 
 
 def test_nature_cnn_keeps_nn_convs_parameter_tree():
-    """Names, shapes and dtypes as nn.Conv's, so checkpoints of either restore into the
-    other (the initial values differ: the torso starts orthogonal, tests/test_networks.py)."""
+    """Names, shapes and dtypes as nn.Conv's, and the same function of the same values, so
+    checkpoints of either restore into the other (the initial values differ: the torso
+    starts orthogonal, tests/test_networks.py)."""
     observations = jnp.zeros((1, 4, 84, 84), jnp.uint8)
     key = jax.random.PRNGKey(3)
     ours = networks.NatureCNN().init(key, observations)
@@ -238,7 +239,7 @@ def test_nature_cnn_keeps_nn_convs_parameter_tree():
     frames = jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 4, 84, 84), np.uint8))
     np.testing.assert_allclose(
         networks.NatureCNN().apply(ours, frames),
-        _NatureWithFlaxConv().apply(theirs, frames),
+        _NatureWithFlaxConv().apply(ours, frames),
         rtol=1e-5,
         atol=1e-5,
     )
