@@ -375,13 +375,48 @@ def test_the_update_reports_the_kl_between_the_policies_before_and_after_it():
         kls[rate] = float(metrics["kl_update"])
         # The same figure from the two parameter sets directly.
         columns = min(learning.KL_UNROLLS, batch.actions.shape[1])
-        rows = batch.observations[:, :columns].reshape(-1, 3)
+        rows = batch.observations[:: learning.KL_STEP_STRIDE, :columns].reshape(-1, 3)
         before = jax.nn.log_softmax(network.apply(params, rows).logits)
         later = jax.nn.log_softmax(network.apply(after.params, rows).logits)
         direct = np.mean(np.sum(np.exp(before) * (before - later), axis=-1))
         assert kls[rate] == pytest.approx(float(direct), abs=1e-7)
     assert kls[0.0] == pytest.approx(0.0, abs=1e-9)
     assert kls[1e-2] > 1e-6
+
+
+def test_the_update_kl_of_stacked_frames_runs_the_policy_on_the_strided_steps():
+    """Atari's batches hold frames and stack them in the update: the KL after it is the
+    policy's on every KL_STEP_STRIDE-th stacked step of the first KL_UNROLLS unrolls."""
+    from learner.frame_stack import frame_indices, stack_frames
+
+    rng = np.random.default_rng(4)
+    steps, unrolls, stack = 20, 6, 4
+    starts = np.zeros((steps + stack, unrolls), bool)  # per frame
+    starts[0] = starts[7, 2] = True
+    batch = learning.Trajectories(
+        observations=rng.integers(0, 256, (steps + stack, unrolls, 1, 42, 42), np.uint8),
+        frame_index=frame_indices(starts, stack),
+        actions=rng.integers(0, 6, (steps + 1, unrolls)).astype(np.int32),
+        behaviour_log_probs=np.full((steps + 1, unrolls), np.log(1 / 6), np.float32),
+        rewards=rng.normal(size=(steps + 1, unrolls)).astype(np.float32),
+        terminated=np.zeros((steps + 1, unrolls), bool),
+        truncated=np.zeros((steps + 1, unrolls), bool),
+    )
+    network = make_network("compact_cnn", num_actions=6)
+    stacked = stack_frames(batch.observations, batch.frame_index)
+    params = network.init(jax.random.key(0), stacked[0, :1])
+    optimizer = learning.make_optimizer("adam", 1e-3, max_grad_norm=40.0, epsilon=1e-5)
+    update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
+    after, metrics = update(
+        learning.TrainState(params, optimizer.init(params), jnp.int32(0)), batch
+    )
+    rows = stacked[:: learning.KL_STEP_STRIDE, : learning.KL_UNROLLS]
+    rows = rows.reshape(-1, *rows.shape[2:])
+    before = jax.nn.log_softmax(network.apply(params, rows).logits)
+    later = jax.nn.log_softmax(network.apply(after.params, rows).logits)
+    direct = np.mean(np.sum(np.exp(before) * (before - later), axis=-1))
+    assert direct > 1e-7
+    assert float(metrics["kl_update"]) == pytest.approx(float(direct), rel=1e-3)
 
 
 def test_the_clipped_surrogate_stops_pushing_where_the_ratio_left_the_clip():

@@ -247,19 +247,34 @@ def loss_fn(
 
 
 KL_UNROLLS = 4
-"""Unrolls of each batch (per device) the policy is run on again after the update, for the
-KL between consecutive policies: a few percent of the update's compute."""
+KL_STEP_STRIDE = 5
+"""The policy is run again after the update, for the KL between consecutive policies, on every
+KL_STEP_STRIDE-th step of the batch's (per device) first KL_UNROLLS unrolls: the Atari
+preset's minibatches are 2 unrolls, and all their steps again would add a third of a forward
+pass to every update (the trainer is the bottleneck on a CPU); this takes a few percent."""
 
 
 def update_kl(
     apply_fn: ApplyFn, params: Params, batch: Trajectories, logits_before: jax.Array
 ) -> jax.Array:
-    """Mean KL(pi_before || pi_after) over the steps of the batch's first KL_UNROLLS unrolls,
+    """Mean KL(pi_before || pi_after) over the steps KL_UNROLLS and KL_STEP_STRIDE pick (a
+    recurrent policy: every step of those unrolls, since its core needs them all),
     `logits_before` [T+1, B, A] being the policy's before the update, `params` after it."""
     columns = min(KL_UNROLLS, batch.actions.shape[1])
-    subset = jax.tree.map(lambda x: x[:, :columns], batch)
-    after = jax.nn.log_softmax(policy_outputs(params, apply_fn, subset).logits)
-    before = jax.nn.log_softmax(logits_before[:, :columns])
+    if batch.core_state is not None:
+        subset = jax.tree.map(lambda x: x[:, :columns], batch)
+        after = policy_outputs(params, apply_fn, subset).logits
+        before = logits_before[:, :columns]
+    else:
+        steps = slice(None, None, KL_STEP_STRIDE)
+        observations = batch.observations[:, :columns]
+        if batch.frame_index is not None:
+            observations = stack_frames(observations, batch.frame_index[steps, :columns])
+        else:
+            observations = observations[steps]
+        after = apply_fn(params, observations.reshape(-1, *observations.shape[2:])).logits
+        before = logits_before[steps, :columns].reshape(after.shape)
+    after, before = jax.nn.log_softmax(after), jax.nn.log_softmax(before)
     return jnp.mean(jnp.sum(jnp.exp(before) * (before - after), axis=-1))
 
 
