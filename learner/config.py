@@ -128,7 +128,10 @@ class LearnerConfig:
     baseline_cost: float = 0.5
     """Weight of the value loss."""
     entropy_cost: float = 0.01
-    """Weight of the entropy bonus."""
+    """Weight of the entropy bonus at the start of training."""
+    entropy_cost_decay: bool = False
+    """Decay the entropy bonus's weight linearly to 0 at total_env_steps, as the learning
+    rate decays: exploration early, a greedier policy late."""
     reward_clipping: Literal["abs_one", "none"] = "abs_one"
     """Rewards for training: abs_one clips to [-1, 1]. Reported returns are always raw."""
     reward_scale: float = 1.0

@@ -81,11 +81,14 @@ def learning_rate_schedule(
     learning_rate = scaled_learning_rate(config, global_batch)
     if not config.learning_rate_decay:
         return optax.constant_schedule(learning_rate)
+    return optax.linear_schedule(learning_rate, 0.0, total_updates(config, global_batch))
+
+
+def total_updates(config: LearnerConfig, global_batch: int) -> int:
+    """The gradient steps --total-env-steps buys: where the decaying schedules reach 0."""
     batches = max(1, config.total_env_steps // (config.unroll_length * global_batch))
-    total_updates = batches * config.batch_passes * config.minibatches
-    # The schedule's step count is an int32 on the device.
-    total_updates = min(total_updates, 2**31 - 1)
-    return optax.linear_schedule(learning_rate, 0.0, total_updates)
+    # The schedules' step count is an int32 on the device.
+    return min(batches * config.batch_passes * config.minibatches, 2**31 - 1)
 
 
 def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -99,7 +102,10 @@ def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.Grad
     )
 
 
-def loss_settings(config: LearnerConfig) -> learning.LossSettings:
+def loss_settings(config: LearnerConfig, global_batch: int | None = None) -> learning.LossSettings:
+    decay_updates = 0
+    if config.entropy_cost_decay:
+        decay_updates = total_updates(config, global_batch or config.batch_size)
     return learning.LossSettings(
         discount=config.discount,
         lambda_=config.vtrace_lambda,
@@ -107,6 +113,7 @@ def loss_settings(config: LearnerConfig) -> learning.LossSettings:
         clip_pg_rho_threshold=config.clip_pg_rho_threshold,
         baseline_cost=config.baseline_cost,
         entropy_cost=config.entropy_cost,
+        entropy_decay_updates=decay_updates,
         reward_clipping=config.reward_clipping,
         reward_scale=config.reward_scale,
         policy_clip=config.policy_clip,
@@ -171,7 +178,7 @@ class Learner:
         params = init_params(network, init_key, example_observation)
         self._schedule = learning_rate_schedule(config, self.global_batch)
         optimizer = optimizer_for(config, self._schedule)
-        settings = loss_settings(config)
+        settings = loss_settings(config, self.global_batch)
         params, opt_state, updates = self._initial_state(params, optimizer.init(params))
         state = learning.TrainState(params, opt_state, jax.numpy.int32(updates))
         if self.placement.process_count > 1:

@@ -384,6 +384,42 @@ def test_the_update_reports_the_kl_between_the_policies_before_and_after_it():
     assert kls[1e-2] > 1e-6
 
 
+def test_a_decaying_entropy_bonus_weighs_less_as_the_updates_count_up():
+    rng = np.random.default_rng(3)
+    batch = random_batch(rng)
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
+    optimizer = learning.make_optimizer("adam", 0.0, max_grad_norm=40.0, epsilon=1e-8)
+    decaying = SETTINGS._replace(entropy_decay_updates=100)
+    weights = {}
+    for settings, updates in ((SETTINGS, 75), (decaying, 0), (decaying, 75), (decaying, 200)):
+        update = learning.make_update_fn(network.apply, optimizer, settings)
+        state = learning.TrainState(params, optimizer.init(params), jnp.int32(updates))
+        _, metrics = update(state, batch)
+        weights[settings.entropy_decay_updates, updates] = float(
+            -metrics["entropy_loss"] / metrics["entropy"]
+        )
+    assert weights[0, 75] == pytest.approx(0.01)  # constant unless asked to decay
+    assert weights[100, 0] == pytest.approx(0.01)
+    assert weights[100, 75] == pytest.approx(0.0025)
+    assert weights[100, 200] == 0.0  # not below 0 past the end
+
+
+def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
+    import dataclasses
+
+    from learner.config import LearnerConfig
+    from learner.learner import learning_rate_schedule, loss_settings, total_updates
+
+    config = LearnerConfig(total_env_steps=64_000, unroll_length=20, batch_size=16)
+    assert loss_settings(config).entropy_decay_updates == 0
+    decaying = loss_settings(dataclasses.replace(config, entropy_cost_decay=True))
+    assert decaying.entropy_decay_updates == total_updates(config, 16) == 200
+    # The same count as the learning rate's decay: both reach 0 together.
+    assert float(learning_rate_schedule(config)(200)) == 0.0
+    assert float(learning_rate_schedule(config)(199)) > 0.0
+
+
 def test_the_update_kl_of_stacked_frames_runs_the_policy_on_the_strided_steps():
     """Atari's batches hold frames and stack them in the update: the KL after it is the
     policy's on every KL_STEP_STRIDE-th stacked step of the first KL_UNROLLS unrolls."""

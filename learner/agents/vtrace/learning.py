@@ -74,6 +74,8 @@ class LossSettings(NamedTuple):
     policy gradient."""
     normalize_advantages: bool = False
     """Advantages scaled to zero mean and unit variance over each batch."""
+    entropy_decay_updates: int = 0
+    """Updates over which entropy_cost decays linearly to 0; 0: constant."""
 
 
 class TrainState(NamedTuple):
@@ -183,11 +185,13 @@ def loss_fn(
     batch: Trajectories,
     settings: LossSettings,
     axis: str | None = None,
+    updates: jax.Array | int = 0,
 ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
     """The IMPALA loss, averaged over the T x B transitions of the batch, with its metrics
     and the logits [T+1, B, A] it was computed from (for the update's KL). With `axis` (the
     batch split over devices in shard_map) the advantages are normalised with the whole
-    batch's statistics, as on one device."""
+    batch's statistics, as on one device. `updates` (applied so far) sets the entropy
+    bonus's weight where it decays."""
     output = policy_outputs(params, apply_fn, batch)
     logits, values = output.logits[:-1], output.values
     log_policy = jax.nn.log_softmax(logits)
@@ -231,7 +235,7 @@ def loss_fn(
     baseline_loss = 0.5 * jnp.sum(jnp.square(targets.vs - inputs.values) * mask) / count
     entropy = -jnp.sum(jnp.exp(log_policy) * log_policy, axis=-1)
     entropy_mean = jnp.sum(entropy * mask) / count
-    entropy_loss = -settings.entropy_cost * entropy_mean
+    entropy_loss = -entropy_cost(settings, updates) * entropy_mean
     total = policy_loss + settings.baseline_cost * baseline_loss + entropy_loss
     metrics = {
         "loss": total,
@@ -244,6 +248,14 @@ def loss_fn(
         **health,
     }
     return total, (metrics, jax.lax.stop_gradient(output.logits))
+
+
+def entropy_cost(settings: LossSettings, updates: jax.Array | int) -> jax.Array:
+    """The entropy bonus's weight after `updates` updates."""
+    if not settings.entropy_decay_updates:
+        return jnp.float32(settings.entropy_cost)
+    left = 1.0 - jnp.asarray(updates, jnp.float32) / settings.entropy_decay_updates
+    return settings.entropy_cost * jnp.clip(left, 0.0, 1.0)
 
 
 KL_UNROLLS = 4
@@ -319,8 +331,10 @@ def make_update_fn(
 
     axis = placement.axis_name if placement is not None and placement.sharded else None
 
-    def share_of_loss(params: Params, batch: Trajectories) -> tuple[jax.Array, tuple]:
-        total, (metrics, logits) = loss_fn(params, apply_fn, batch, settings, axis)
+    def share_of_loss(
+        params: Params, batch: Trajectories, updates: jax.Array
+    ) -> tuple[jax.Array, tuple]:
+        total, (metrics, logits) = loss_fn(params, apply_fn, batch, settings, axis, updates)
         if axis is None:
             return total, (metrics, logits)
         # In shard_map the gradient of the replicated parameters comes back summed over
@@ -329,7 +343,9 @@ def make_update_fn(
         return total / jax.lax.axis_size(axis), (jax.lax.pmean(metrics, axis), logits)
 
     def update(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, (metrics, logits) = jax.grad(share_of_loss, has_aux=True)(state.params, batch)
+        grads, (metrics, logits) = jax.grad(share_of_loss, has_aux=True)(
+            state.params, batch, state.updates
+        )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         kl = update_kl(apply_fn, params, batch, logits)
