@@ -53,6 +53,10 @@ class LearnerConfig:
     only if their mean reaches it too (the run then ends with the state it played, as its
     last checkpoint); if not, it trains on and asks again after its actors have played as
     many episodes more. 0: the 100-episode mean alone decides."""
+    stop_eval_epsilon: float = 0.0
+    """The check acts epsilon-greedily: a uniform random action with this probability.
+    Atari presets use 0.01, as Atari's evaluation protocols do: a greedy Breakout policy
+    that never presses FIRE after losing a life would play on to the 108k-frame limit."""
 
     # -- inference -----------------------------------------------------------
     inference_batch_size: int = 64
@@ -208,6 +212,7 @@ class LearnerConfig:
         require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
         require(self.total_env_steps > 0, "total_env_steps must be positive")
         require(self.stop_eval_episodes >= 0, "stop_eval_episodes must not be negative")
+        require(0.0 <= self.stop_eval_epsilon <= 1.0, "stop_eval_epsilon must be within [0, 1]")
         require(
             not self.stop_eval_episodes or self.stop_at_return is not None,
             "--stop-eval-episodes checks the policy before a stop at --stop-at-return: "
@@ -321,11 +326,12 @@ PRESETS: dict[str, LearnerConfig] = {
         vtrace_lambda=0.95,
         max_grad_norm=0.5,
         unroll_queue_size=16,
+        stop_eval_epsilon=0.01,
     ),
     # 84x84 frames (atari:GAME/84x84): the Nature CNN and the usual IMPALA-family
     # settings (unroll 20, batch 32, discount 0.99, rewards clipped to [-1, 1], entropy
     # 0.01, gradient norm 40).
-    "atari_84": LearnerConfig(env="atari:Pong/84x84"),
+    "atari_84": LearnerConfig(env="atari:Pong/84x84", stop_eval_epsilon=0.01),
     # Tuned on CartPole-v1 with 2 actors x 16 envs (docs/architecture.md): the
     # separate value torso of the mlp network mattered most, then the reward
     # scale. Unscaled, advantages of tens swamped the entropy bonus: 4 runs in

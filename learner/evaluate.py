@@ -44,6 +44,9 @@ class EvalConfig:
     """Envs played in parallel; 0: min(episodes, MAX_ENVS = 8)."""
     sample: bool = False
     """Sample actions from the policy instead of taking the most likely one."""
+    epsilon: float = 0.0
+    """With this probability a uniform random action instead of the most likely one (Atari's
+    evaluation protocols use 0.001-0.05); ignored with --sample."""
     seed: int = 1_000_003
     """Seed of the envs and of action sampling (distinct from training's seeds)."""
     video: str = ""
@@ -58,6 +61,8 @@ class EvalConfig:
             raise ValueError("episodes must be at least 1")
         if self.num_envs < 0:
             raise ValueError("num_envs must not be negative")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError("epsilon must be within [0, 1]")
         if self.video_fps < 0:
             raise ValueError("video_fps must not be negative")
 
@@ -169,15 +174,19 @@ class Player:
     actions sampled from it. seedrl-eval plays a checkpoint with it; the learner, its
     current parameters when --stop-eval-episodes asks it to."""
 
-    def __init__(self, network: Any, spec: Any, lstm_size: int, sample: bool):
+    def __init__(self, network: Any, spec: Any, lstm_size: int, sample: bool, epsilon: float = 0.0):
         import jax
         import jax.numpy as jnp
 
         self._network = network
         self._spec = spec
         self._lstm_size = lstm_size
-        self.policy = "sample" if sample else "greedy"
-        """What `play` does: "greedy" (most likely actions) or "sample"."""
+        epsilon = 0.0 if sample else epsilon
+        self.policy = (
+            "sample" if sample else f"epsilon-greedy ({epsilon:g})" if epsilon else "greedy"
+        )
+        """What `play` does: "greedy" (most likely actions), "epsilon-greedy (E)" (a uniform
+        action with probability E, else the most likely) or "sample"."""
 
         @jax.jit
         def act(
@@ -192,7 +201,13 @@ class Player:
             key, sample_key = jax.random.split(key)
             if sample:
                 return jax.random.categorical(sample_key, logits).astype(jnp.int32), state, key
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), state, key
+            actions = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            if epsilon:
+                explore_key, action_key = jax.random.split(sample_key)
+                explore = jax.random.uniform(explore_key, actions.shape) < epsilon
+                uniform = jax.random.randint(action_key, actions.shape, 0, logits.shape[-1])
+                actions = jnp.where(explore, uniform.astype(jnp.int32), actions)
+            return actions, state, key
 
         self._act = act
 
@@ -311,7 +326,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
         video = VideoWriter(config.video, fps)
     started = time.perf_counter()
     try:
-        player = Player(network, spec, lstm_size, config.sample)
+        player = Player(network, spec, lstm_size, config.sample, config.epsilon)
         returns, lengths = player.play(env, params, config.episodes, config.seed, video)
     finally:
         env.close()

@@ -272,6 +272,7 @@ class Learner:
                 config.lstm_size,
                 config.stop_eval_episodes,
                 seed=STOP_CHECK_SEED + config.seed,
+                epsilon=config.stop_eval_epsilon,
             )
             if config.stop_eval_episodes
             else None
@@ -565,7 +566,7 @@ class Learner:
             mean = sum(played) / len(played)
             self.stats.add("stop_check_return", mean)
             verdict = (
-                f"{len(played)} greedy episodes of the parameters of update {version} "
+                f"{len(played)} {check.policy} episodes of the parameters of update {version} "
                 f"averaged {mean:.2f}"
             )
             if reached and mean >= target:

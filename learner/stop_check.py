@@ -18,15 +18,26 @@ from learner.evaluate import MAX_ENVS, Player
 
 
 class StopCheck:
-    """Plays `episodes` greedy episodes of given parameters in the background, one check
+    """Plays `episodes` greedy (or epsilon-greedy) episodes of given parameters in the
+    background, one check
     at a time, and says when the next may start: after a check that fell short, once
     the fleet has played as many episodes more, so that training has moved on."""
 
-    def __init__(self, env_id: str, network: Any, lstm_size: int, episodes: int, seed: int):
+    def __init__(
+        self,
+        env_id: str,
+        network: Any,
+        lstm_size: int,
+        episodes: int,
+        seed: int,
+        epsilon: float = 0.0,
+    ):
         self.episodes = episodes
         self._seed = seed
         self._env = registry.make(env_id, min(episodes, MAX_ENVS), seed=seed)
-        self._player = Player(network, self._env.spec, lstm_size, sample=False)
+        self._player = Player(network, self._env.spec, lstm_size, sample=False, epsilon=epsilon)
+        self.policy = self._player.policy
+        """How the check acts: "greedy" or "epsilon-greedy (E)"."""
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "stop-check")
         self._cancelled = threading.Event()
         self._playing: concurrent.futures.Future | None = None  # of (update, returns)

@@ -27,6 +27,8 @@ def test_config_refuses_nonsense():
         EvalConfig(run_dir="x", episodes=0)
     with pytest.raises(ValueError, match="num_envs"):
         EvalConfig(run_dir="x", num_envs=-1)
+    with pytest.raises(ValueError, match="epsilon"):
+        EvalConfig(run_dir="x", epsilon=1.5)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -52,3 +54,62 @@ def test_usage_without_a_run_dir():
     result = run()
     assert result.returncode == 2
     assert "--run-dir" in result.stderr
+
+
+def constant_policy(env_id: str, network_name: str):
+    """A network whose parameters are all zero: equal logits, so its most likely action is
+    always action 0 (NOOP on Atari), and the env's spec."""
+    import jax
+    import numpy as np
+
+    from envs import registry
+    from learner.networks import init_params, make_network
+
+    spec = registry.spec(env_id)
+    network = make_network(network_name, spec.action.num_actions, (16,))
+    model = spec.model_observation
+    params = init_params(network, jax.random.key(0), np.zeros((1, *model.shape), model.np_dtype))
+    return network, jax.tree.map(jax.numpy.zeros_like, params), spec
+
+
+@pytest.mark.parametrize(("epsilon", "explored"), [(0.0, 0.0), (0.2, 0.1), (1.0, 0.5)])
+def test_an_epsilon_greedy_player_takes_a_uniform_action_that_often(epsilon, explored):
+    import jax
+    import numpy as np
+
+    from learner.evaluate import Player
+
+    network, params, spec = constant_policy("classic:CartPole-v1", "mlp")
+    player = Player(network, spec, 0, sample=False, epsilon=epsilon)
+    assert player.policy == ("greedy" if not epsilon else f"epsilon-greedy ({epsilon:g})")
+    rows = 20_000
+    observations = np.zeros((rows, *spec.model_observation.shape), np.float32)
+    first = np.ones(rows, np.bool_)
+    actions, _, key = player._act(params, observations, first, None, jax.random.key(1))
+    # Action 0 is the greedy one; a uniform draw over CartPole's 2 picks 1 half the time.
+    assert np.mean(np.asarray(actions) != 0) == pytest.approx(explored, abs=0.015)
+    again, _, _ = player._act(params, observations, first, None, key)
+    assert epsilon == 0.0 or not np.array_equal(actions, again)  # the key moves on
+
+
+def test_the_atari_stop_check_ends_episodes_of_a_policy_that_never_presses_fire():
+    """Breakout waits for FIRE after every lost life: a greedy policy that never picks it
+    plays on to the 108k-frame limit. The Atari presets' check acts epsilon-greedily, so
+    its episodes end as the game's do."""
+    from learner.config import preset_for
+    from learner.stop_check import StopCheck
+
+    config = preset_for("atari:Breakout")
+    assert config.stop_eval_epsilon == 0.01
+    network, params, _ = constant_policy("atari:Breakout", config.network)
+    check = StopCheck(
+        "atari:Breakout", network, 0, episodes=2, seed=5, epsilon=config.stop_eval_epsilon
+    )
+    try:
+        returns, lengths = check._player.play(check._env, params, 2, seed=5)
+    finally:
+        check.close()
+    assert len(returns) == 2
+    # Full episodes last 27,000 agent steps (108k frames) at the limit; these end far sooner.
+    assert max(lengths) < 10_000, lengths
+    print(f"epsilon-greedy NOOP on Breakout: {returns} in {lengths} steps")
