@@ -161,6 +161,12 @@ class LearnerConfig:
     """A new stream must send its hello within this time."""
     max_envs_per_actor: int = 256
     """Largest K an actor may bring (and at most inference_batch_size)."""
+    max_abs_reward: float = 1e6
+    """A step whose raw reward lies beyond +-this is refused, ending its stream: finite but
+    huge rewards (float32's maximum) would overflow the loss and stop training for all."""
+    max_abs_observation: float = 1e8
+    """The same bound on float observations (integer ones, such as frames, are bounded by
+    their type): wide enough for counting:v0's exact integers below 2**24."""
 
     # -- security ------------------------------------------------------------
     auth_token: str = dataclasses.field(default="", repr=False)
@@ -212,6 +218,8 @@ class LearnerConfig:
         require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
         require(self.total_env_steps > 0, "total_env_steps must be positive")
         require(self.stop_eval_episodes >= 0, "stop_eval_episodes must not be negative")
+        require(self.max_abs_reward > 0, "max_abs_reward must be positive")
+        require(self.max_abs_observation > 0, "max_abs_observation must be positive")
         require(0.0 <= self.stop_eval_epsilon <= 1.0, "stop_eval_epsilon must be within [0, 1]")
         require(
             not self.stop_eval_episodes or self.stop_at_return is not None,

@@ -208,6 +208,8 @@ class Learner:
             hello_timeout_s=config.hello_timeout_s,
             auth_token=security.resolve_token(config.auth_token),
             idle_timeout_s=config.stream_idle_timeout_s,
+            max_abs_reward=config.max_abs_reward,
+            max_abs_observation=config.max_abs_observation,
         )
         temp_budget = learning.policy_temp_budget(self.placement.inference_device)
         if (

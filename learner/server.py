@@ -151,9 +151,16 @@ class LearnerService:
         hello_timeout_s: float,
         auth_token: str = "",
         idle_timeout_s: float = 300.0,
+        max_abs_reward: float = 1e6,
+        max_abs_observation: float = 1e8,
     ):
         """`auth_token`: streams must carry it (see seedrl.security); "" lets all in.
-        `idle_timeout_s`: a stream owing its next step for this long is ended."""
+        `idle_timeout_s`: a stream owing its next step for this long is ended.
+        `max_abs_reward`, `max_abs_observation`: a step beyond them ends its stream."""
+        self._value_bounds = {
+            "max_abs_reward": max_abs_reward,
+            "max_abs_observation": max_abs_observation,
+        }
         self.env_spec = env_spec
         self._token = auth_token
         self._idle_timeout_s = idle_timeout_s
@@ -331,6 +338,7 @@ class LearnerService:
             self.env_spec.action,
             actor.num_envs,
             observation_changes=actor.observation_changes,
+            **self._value_bounds,
         )
         loop = asyncio.get_running_loop()
         while True:

@@ -25,6 +25,7 @@ turns it into an INVALID_ARGUMENT status for that stream alone.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -169,12 +170,19 @@ class StepCodec:
         action_spec: ActionSpec,
         num_envs: int,
         observation_changes: bool = False,
+        max_abs_reward: float = math.inf,
+        max_abs_observation: float = math.inf,
     ):
+        """A decoded step's rewards, and its observations if they are floats, must lie
+        within +-max_abs_reward and +-max_abs_observation: finite but huge values (float32's
+        maximum) would overflow the loss, and one peer would spoil training for all."""
         if num_envs < 1:
             raise ValueError(f"num_envs must be at least 1, got {num_envs}")
         self.observation_spec = observation_spec
         self.action_spec = action_spec
         self.num_envs = num_envs
+        self._max_abs_reward = max_abs_reward
+        self._max_abs_observation = max_abs_observation
         self._obs_dtype = observation_spec.np_dtype
         self._obs_shape = (num_envs, *observation_spec.shape)
         self._obs_nbytes = num_envs * observation_spec.nbytes
@@ -314,8 +322,7 @@ class StepCodec:
         else:
             observations = self._apply_changes(observations, offsets, words)
         rewards = self._read(rewards, REWARD_DTYPE, "rewards")
-        if not np.isfinite(rewards).all():
-            raise WireError(f"rewards are not all finite: {rewards.tolist()}")
+        _check_within(rewards, self._max_abs_reward, "rewards", "--max-abs-reward")
         terminated = self._read_flags(terminated, "terminated")
         truncated = self._read_flags(truncated, "truncated")
         return EnvStep(observations, rewards, terminated, truncated)
@@ -328,9 +335,11 @@ class StepCodec:
                 f"{self._obs_nbytes} ({self.num_envs} envs x {self.observation_spec})"
             )
         observations = np.frombuffer(data, self._obs_dtype).reshape(self._obs_shape)
-        if self._obs_dtype.kind == "f" and not np.isfinite(observations).all():
+        if self._obs_dtype.kind == "f":
             # One NaN would reach the gradients and spoil the parameters for everyone.
-            raise WireError("observations are not all finite")
+            _check_within(
+                observations, self._max_abs_observation, "observations", "--max-abs-observation"
+            )
         return observations
 
     def _apply_changes(self, observations, offsets, words) -> np.ndarray:
@@ -367,8 +376,13 @@ class StepCodec:
                     f"changed offset {last} is past the observations' {self._words.size} words"
                 )
             values = np.frombuffer(words, WORD_DTYPE)
-            if self._obs_dtype.kind == "f" and not np.isfinite(values.view(self._obs_dtype)).all():
-                raise WireError("observation changes are not all finite")
+            if self._obs_dtype.kind == "f":
+                _check_within(
+                    values.view(self._obs_dtype),
+                    self._max_abs_observation,
+                    "observation changes",
+                    "--max-abs-observation",
+                )
             self._words[offsets] = values
         return self._words_view
 
@@ -392,3 +406,15 @@ class StepCodec:
         if np.maximum.reduce(flags) > 1:  # K >= 1: never empty
             raise WireError(f"{name} flags must be 0 or 1, got {flags.tolist()}")
         return flags.view(np.bool_)
+
+
+def _check_within(values: np.ndarray, bound: float, name: str, flag: str) -> None:
+    """Refuses `values` unless all are finite and within +-bound. The refusal names the
+    largest magnitude, not the values: a peer's input is not echoed back at length."""
+    limit = min(bound, float(np.finfo(values.dtype).max))  # infinities fail, as NaN does
+    if not values.size or (-limit <= values.min() and values.max() <= limit):
+        return
+    if not np.isfinite(values).all():
+        raise WireError(f"{name} are not all finite")
+    largest = float(np.abs(values).max())
+    raise WireError(f"{name} reach {largest:.4g}, beyond the learner's bound of {bound:g} ({flag})")

@@ -110,6 +110,16 @@ CASES = {
         grpc.StatusCode.INVALID_ARGUMENT,
         "rewards are not all finite",
     ),
+    "a finite but huge reward": (
+        [hello(), step(rewards=np.array([0.0, np.finfo(np.float32).max], "<f4").tobytes())],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 1: rewards reach 3.403e+38, beyond the learner's bound of 1e+06 (--max-abs-reward)",
+    ),
+    "a finite but huge observation": (
+        [hello(), step(observations=np.array([0.0] * 11 + [-2e9], "<f4").tobytes())],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "observations reach 2e+09, beyond the learner's bound of 1e+08 (--max-abs-observation)",
+    ),
     "a non-finite observation": (
         [hello(), step(observations=np.array([0.0] * 11 + [np.nan], "<f4").tobytes())],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -155,6 +165,19 @@ CASES = {
         ],
         grpc.StatusCode.INVALID_ARGUMENT,
         "step 2: observation changes are not all finite",
+    ),
+    "a finite but huge observation change": (
+        [
+            hello(observation_changes=True),
+            step(),
+            step(
+                observations=b"",
+                changed_offsets=OFFSET_0,
+                changed_words=np.array([0.0, 3e38], "<f4").tobytes(),
+            ),
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step 2: observation changes reach 3e+38, beyond the learner's bound of 1e+08",
     ),
     "a second hello": (
         [hello(), step(), hello()],
