@@ -161,6 +161,10 @@ class LearnerConfig:
     """A new stream must send its hello within this time."""
     max_envs_per_actor: int = 256
     """Largest K an actor may bring (and at most inference_batch_size)."""
+    max_streams: int = 8192
+    """Streams served at once at most; further hellos are refused (RESOURCE_EXHAUSTED)."""
+    max_env_slots: int = 65536
+    """Envs of all streams at once at most; a hello that would pass it is refused."""
     max_abs_reward: float = 1e6
     """A step whose raw reward lies beyond +-this is refused, ending its stream: finite but
     huge rewards (float32's maximum) would overflow the loss and stop training for all."""
@@ -219,6 +223,8 @@ class LearnerConfig:
         require(self.total_env_steps > 0, "total_env_steps must be positive")
         require(self.stop_eval_episodes >= 0, "stop_eval_episodes must not be negative")
         require(self.max_abs_reward > 0, "max_abs_reward must be positive")
+        require(self.max_streams >= 1, "max_streams must be at least 1")
+        require(self.max_env_slots >= 1, "max_env_slots must be at least 1")
         require(self.max_abs_observation > 0, "max_abs_observation must be positive")
         require(0.0 <= self.stop_eval_epsilon <= 1.0, "stop_eval_epsilon must be within [0, 1]")
         require(

@@ -210,6 +210,8 @@ class Learner:
             idle_timeout_s=config.stream_idle_timeout_s,
             max_abs_reward=config.max_abs_reward,
             max_abs_observation=config.max_abs_observation,
+            max_streams=config.max_streams,
+            max_env_slots=config.max_env_slots,
         )
         temp_budget = learning.policy_temp_budget(self.placement.inference_device)
         if (

@@ -29,11 +29,17 @@ from seedrl import security
 from seedrl.codec import StepCodec, WireError, observation_changes_allowed
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION, ActionSpec, EnvSpec, SpecError, TensorSpec
+from seedrl.text import shown
 from seedrl.transport import SERVICE_NAME, STREAM_METHOD
 
 logger = logging.getLogger(__name__)
 
 HISTORY_SIZE = 10_000
+TAKEOVER_S = 10.0
+"""A stream that has owed its step this long may be taken over by a hello of its actor id
+from another process (the actor restarted, or its old connection is half-open)."""
+MAX_NAME_CHARS = 128
+"""The longest actor id, run id or host name a hello may carry."""
 
 
 class StreamRefused(Exception):
@@ -77,6 +83,15 @@ def check_hello(
         raise StreamRefused(
             grpc.StatusCode.INVALID_ARGUMENT, "the hello must carry an actor_id and a run_id"
         )
+    for name in ("actor_id", "run_id", "hostname"):
+        # Logged and shown on the fleet page as they are: plain, short text only.
+        value = getattr(hello, name)
+        if len(value) > MAX_NAME_CHARS or not value.isprintable():
+            raise StreamRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the hello's {name} must be at most {MAX_NAME_CHARS} printable characters, "
+                f"got {shown(value)}",
+            )
     if not 1 <= hello.num_envs <= max_envs:
         raise StreamRefused(
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -85,7 +100,7 @@ def check_hello(
     if hello.env_id != env_spec.env_id:
         raise StreamRefused(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"env {hello.env_id!r} does not match the learner's env {env_spec.env_id!r}",
+            f"env {shown(hello.env_id)} does not match the learner's env {env_spec.env_id!r}",
         )
     try:
         observation = TensorSpec.from_proto(hello.observation_spec)
@@ -153,10 +168,16 @@ class LearnerService:
         idle_timeout_s: float = 300.0,
         max_abs_reward: float = 1e6,
         max_abs_observation: float = 1e8,
+        max_streams: int = 8192,
+        max_env_slots: int = 65536,
     ):
         """`auth_token`: streams must carry it (see seedrl.security); "" lets all in.
         `idle_timeout_s`: a stream owing its next step for this long is ended.
-        `max_abs_reward`, `max_abs_observation`: a step beyond them ends its stream."""
+        `max_abs_reward`, `max_abs_observation`: a step beyond them ends its stream.
+        `max_streams`, `max_env_slots`: hellos past these caps are refused."""
+        self._max_streams = max_streams
+        self._max_env_slots = max_env_slots
+        self._env_slots = 0
         self._value_bounds = {
             "max_abs_reward": max_abs_reward,
             "max_abs_observation": max_abs_observation,
@@ -242,6 +263,7 @@ class LearnerService:
                 return
             actor.task = asyncio.current_task()
             await context.write(self._welcome(actor))
+            actor.replied_at = time.monotonic()  # the welcome is a reply: a step is owed
             await self._serve(actor, context)
         except asyncio.CancelledError:
             if actor is None or not actor.idle:
@@ -289,6 +311,7 @@ class LearnerService:
         hello = check_hello(parse_message(raw, "the first message"), self.env_spec, self._max_envs)
         if self.stopping:
             return None
+        self._check_room(hello)
         owner = next(self._owners)
         actor = ActorStream(
             owner=owner,
@@ -305,12 +328,14 @@ class LearnerService:
         )
         for other in self.streams.values():
             if other.actor_id == actor.actor_id:
-                # The same actor again, with a new run: its old stream is stale.
+                # The same actor again (_check_room let it in), with a new run: its old
+                # stream is stale.
                 other.superseded_by = actor.run_id
         self.streams[owner] = actor
         self.history[owner] = (actor.actor_id, actor.run_id)
         while len(self.history) > HISTORY_SIZE:
             self.history.popitem(last=False)
+        self._env_slots += actor.num_envs
         self._batcher.stream_opened()
         self._stats.stream_change(actors=1, envs=actor.num_envs)
         logger.info(
@@ -393,8 +418,37 @@ class LearnerService:
             )
         return message.step
 
+    def _check_room(self, hello: seedrl_pb2.Hello) -> None:
+        """Refuses a hello the caps leave no room for, or one that would take over the id of
+        an actor that is connected and stepping: only that actor itself (its host and
+        process) may, or anyone once the old stream has owed a step for a while."""
+        if len(self.streams) >= self._max_streams:
+            raise StreamRefused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the learner serves {len(self.streams)} streams, its cap (--max-streams)",
+            )
+        if self._env_slots + hello.num_envs > self._max_env_slots:
+            raise StreamRefused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{hello.num_envs} envs more would pass the learner's cap of "
+                f"{self._max_env_slots} env slots (--max-env-slots); {self._env_slots} are taken",
+            )
+        now = time.monotonic()
+        for other in self.streams.values():
+            if other.actor_id != hello.actor_id or other.superseded_by:
+                continue
+            same_process = (other.hostname, other.pid) == (hello.hostname, hello.pid)
+            silent = other.replied_at > other.last_seen and now - other.replied_at > TAKEOVER_S
+            if not same_process and not silent:
+                raise StreamRefused(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"actor {shown(hello.actor_id)} is connected and stepping, from another "
+                    "process; ids name one actor each",
+                )
+
     def _disconnect(self, actor: ActorStream) -> None:
         self.streams.pop(actor.owner, None)
+        self._env_slots -= actor.num_envs
         self._batcher.stream_closed()
         self._stats.count_dropped(*self._store.release(actor.owner, actor.slots))
         self._stats.stream_change(actors=-1, envs=-actor.num_envs)

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from seedrl.proto import seedrl_pb2
+from seedrl.text import shown
 
 # Bumped on any change a peer of the previous version would misread.
 PROTOCOL_VERSION = 1
@@ -24,14 +25,36 @@ class SpecError(ValueError):
     """A spec that cannot be used, with the reason in the message."""
 
 
+DTYPES = frozenset(
+    [
+        "bool",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    ]
+)
+"""The dtype names a spec may carry. A name is checked against these before numpy parses
+anything: numpy's parser takes arbitrary strings (and raises what it likes on them)."""
+MAX_RANK = 8
+MAX_ELEMENTS = 1 << 26
+"""Elements of one observation at most (64 Mi: a 4x1024x1024 float frame stack fits)."""
+
+
 def wire_dtype(dtype: np.dtype | str) -> np.dtype:
     """The little-endian numpy dtype for a dtype name ("uint8", "float32", ...)."""
-    try:
-        base = np.dtype(dtype)
-    except TypeError as error:
-        raise SpecError(f"unknown dtype {dtype!r}") from error
-    if base.kind not in "biuf":
-        raise SpecError(f"dtype {base.name!r} is not a bool, integer or float type")
+    name = dtype.name if isinstance(dtype, np.dtype) else dtype
+    if not isinstance(name, str) or name not in DTYPES:
+        what = shown(name) if isinstance(name, str) else repr(type(name))
+        raise SpecError(f"unknown dtype {what}; dtypes: {', '.join(sorted(DTYPES))}")
+    base = np.dtype(name)
     return base.newbyteorder(_WIRE_BYTE_ORDER) if base.itemsize > 1 else base
 
 
@@ -46,9 +69,13 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", wire_dtype(self.dtype).name)
+        if len(self.shape) > MAX_RANK:
+            raise SpecError(f"a shape of rank {len(self.shape)}; the most is {MAX_RANK}")
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if any(d <= 0 for d in self.shape):
             raise SpecError(f"shape {self.shape} has a dimension that is not positive")
+        if math.prod(self.shape) > MAX_ELEMENTS:
+            raise SpecError(f"shape {self.shape} has more than {MAX_ELEMENTS} elements")
 
     @property
     def np_dtype(self) -> np.dtype:

@@ -90,6 +90,31 @@ CASES = {
         grpc.StatusCode.FAILED_PRECONDITION,
         "observation spec float64[6] does not match the learner's float32[6]",
     ),
+    "an observation dtype numpy cannot parse": (
+        [hello(observation_spec=seedrl_pb2.TensorSpec(dtype="[('a', 'f4'", shape=[6]))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "bad spec in hello: unknown dtype \"[('a', 'f4'\"; dtypes: bool,",
+    ),
+    "an actor id that forges a log line": (
+        [hello(actor_id="x\n2026-01-01 00:00:00 INFO forged \x1b[2J")],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the hello's actor_id must be at most 128 printable characters, got 'x\\n2026-01-01",
+    ),
+    "a host name of a megabyte": (
+        [hello(hostname="h" * 1_000_000)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the hello's hostname must be at most 128 printable characters, got 'hhh",
+    ),
+    "an env id of a megabyte": (
+        [hello(env_id="e" * 1_000_000)],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "e'... (1000000 characters) does not match the learner's env 'counting:v0'",
+    ),
+    "the id of a connected actor, from another process": (
+        [hello(actor_id="honest")],
+        grpc.StatusCode.ALREADY_EXISTS,
+        "actor 'honest' is connected and stepping, from another process",
+    ),
     "zero envs": (
         [hello(num_envs=0)],
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -222,6 +247,7 @@ def test_a_malformed_stream_is_ended_with_a_named_fault(served, case):
     error = send_raw(served.address, messages)
     assert error.code() == code, error.details()
     assert text in error.details()
+    assert len(error.details()) < 400  # never the peer's input at length
     # Counted in the metrics under its status code.
     assert stats.stream_error_counts()[code.name] == counted_before + 1
     # The honest actor is still served, and the learner still trains.
@@ -269,23 +295,26 @@ def test_a_hello_after_training_finished_ends_with_ok(tmp_path):
         fleet.stop()
 
 
-def test_a_stream_that_goes_silent_after_a_reply_is_ended(served_small_timeout):
+@pytest.mark.parametrize("steps", [0, 1])
+def test_a_stream_that_goes_silent_after_a_reply_is_ended(served_small_timeout, steps):
+    """After the welcome (steps 0: a hello and nothing more) or after actions."""
     fleet = served_small_timeout
     blocker = threading.Event()
 
-    def one_step_then_silence():
+    def silence_after_the_steps():
         yield hello()
-        yield step()
+        for _ in range(steps):
+            yield step()
         blocker.wait(30)  # holds the stream open, owing its next step
 
     with grpc.insecure_channel(fleet.address) as channel:
-        call = channel.stream_stream(STREAM_PATH)(one_step_then_silence(), timeout=60)
+        call = channel.stream_stream(STREAM_PATH)(silence_after_the_steps(), timeout=60)
         replies = []
         with pytest.raises(grpc.RpcError) as caught:
             for reply in call:
                 replies.append(reply)
         blocker.set()
-    assert len(replies) == 2  # the welcome and the first actions
+    assert len(replies) == 1 + steps  # the welcome, and the actions of each step
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "no step for 1 s after the learner's last reply" in caught.value.details()
     stats = fleet.learner.stats
@@ -332,3 +361,40 @@ def served_small_timeout(tmp_path):
     fleet.stop()
     drain.set()
     drainer.join()
+
+
+def test_hellos_past_the_caps_on_streams_and_env_slots_are_refused(tmp_path):
+    config = learner_config(ENV, tmp_path / "run", max_streams=2, max_env_slots=5)
+    fleet = LearnerThread(config, train=False).start()
+    release = threading.Event()
+    service = fleet.learner.service
+    try:
+        with grpc.insecure_channel(fleet.address) as channel:
+            open_stream = channel.stream_stream(STREAM_PATH)
+
+            def held(actor_id: str):
+                yield hello(actor_id=actor_id, num_envs=2)
+                release.wait(30)
+
+            calls = [open_stream(held("held-1"), timeout=60)]
+            wait_until(lambda: len(service.streams) == 1, 10, "the first stream")
+            error = send_raw(fleet.address, [hello(actor_id="wide", num_envs=4)])
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert error.details() == (
+                "4 envs more would pass the learner's cap of 5 env slots (--max-env-slots); "
+                "2 are taken"
+            )
+            calls.append(open_stream(held("held-2"), timeout=60))
+            wait_until(lambda: len(service.streams) == 2, 10, "the second stream")
+            error = send_raw(fleet.address, [hello(actor_id="third", num_envs=1)])
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert error.details() == "the learner serves 2 streams, its cap (--max-streams)"
+            assert fleet.learner.stats.stream_error_counts()["RESOURCE_EXHAUSTED"] == 2
+            release.set()
+            for call in calls:
+                call.cancel()
+        wait_until(lambda: not service.streams, 10, "the held streams to end")
+        assert service._env_slots == 0  # the slots counted are given back
+    finally:
+        release.set()
+        fleet.stop()

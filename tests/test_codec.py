@@ -86,10 +86,27 @@ def test_specs_check_themselves():
     assert TensorSpec.from_proto(OBS.to_proto()) == OBS
     with pytest.raises(SpecError, match="unknown dtype"):
         TensorSpec("uint7", (1,))
-    with pytest.raises(SpecError, match="not a bool, integer or float"):
+    with pytest.raises(SpecError, match="unknown dtype 'complex64'; dtypes: bool, float16"):
         TensorSpec("complex64", (1,))
     with pytest.raises(SpecError, match="not positive"):
         TensorSpec("float32", (0,))
+    with pytest.raises(SpecError, match="rank 9; the most is 8"):
+        TensorSpec("uint8", (1,) * 9)
+    with pytest.raises(SpecError, match="more than 67108864 elements"):
+        TensorSpec("uint8", (1 << 14, 1 << 13))
+    assert TensorSpec(np.dtype(">f4"), (2,)).dtype == "float32"  # any byte order's name
+
+
+@pytest.mark.parametrize(
+    "name",
+    # numpy's parser raises ValueError, SyntaxError or TypeError on these, or takes
+    # seconds and memory on a long one; none may reach it.
+    ["(", "[('a', 'f4')]", "f4,f4", "S10", "O", "<U3", "float32 ", "x" * 1_000_000, ""],
+)
+def test_only_the_listed_dtype_names_reach_numpy(name):
+    with pytest.raises(SpecError, match="unknown dtype") as caught:
+        TensorSpec(name, (1,))
+    assert len(str(caught.value)) < 300
     with pytest.raises(SpecError, match="at least 1"):
         ActionSpec(0)
 
