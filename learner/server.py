@@ -277,6 +277,14 @@ class LearnerService:
         except StreamRefused as refusal:
             self._refused(refusal, actor, context)
             await context.abort(refusal.code, str(refusal))
+        except Exception as error:  # a path no check foresaw: this stream ends, not others
+            logger.error("stream handler failed", exc_info=error)
+            refusal = StreamRefused(
+                grpc.StatusCode.INTERNAL,
+                f"the learner failed on this stream ({type(error).__name__})",
+            )
+            self._refused(refusal, actor, context)
+            await context.abort(refusal.code, str(refusal))
         finally:
             if actor is not None:
                 self._disconnect(actor)

@@ -89,8 +89,9 @@ def _read_varint(data: bytes, position: int, end: int) -> tuple[int, int]:
 
 
 def _length_delimited(data: bytes, start: int, end: int) -> dict[int, tuple[int, int]] | None:
-    """{tag: (start, end)} of the length-delimited fields in data[start:end]; the last of
-    a repeated tag wins, as in protobuf. None when anything else is there."""
+    """{tag: (start, end)} of the length-delimited fields in data[start:end]; None when
+    anything else is there, or a tag repeats (protobuf merges a repeated message field and
+    keeps the last of a repeated bytes field: the generated classes decode those)."""
     fields: dict[int, tuple[int, int]] = {}
     position = start
     try:
@@ -99,7 +100,7 @@ def _length_delimited(data: bytes, start: int, end: int) -> dict[int, tuple[int,
             if tag & 7 != 2:
                 return None
             length, position = _read_varint(data, position, end)
-            if position + length > end:
+            if position + length > end or tag in fields:
                 return None
             fields[tag] = (position, position + length)
             position += length

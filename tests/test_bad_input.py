@@ -398,3 +398,20 @@ def test_hellos_past_the_caps_on_streams_and_env_slots_are_refused(tmp_path):
     finally:
         release.set()
         fleet.stop()
+
+
+def test_an_unforeseen_failure_ends_its_stream_with_internal_and_no_repr(tmp_path, monkeypatch):
+    import learner.server
+
+    def broken_check(*args, **kwargs):
+        raise KeyError("x" * 10_000)  # stands in for a path no check foresaw
+
+    monkeypatch.setattr(learner.server, "check_hello", broken_check)
+    fleet = LearnerThread(learner_config(ENV, tmp_path / "run"), train=False).start()
+    try:
+        error = send_raw(fleet.address, [hello()])
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert error.details() == "the learner failed on this stream (KeyError)"
+        assert fleet.learner.stats.stream_error_counts()["INTERNAL"] == 1
+    finally:
+        fleet.stop()

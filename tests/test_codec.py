@@ -166,10 +166,18 @@ def test_fast_decode_agrees_with_protobuf_on_unusual_but_valid_encodings():
     doubled = (
         b"\x12" + varint(len(inner_stale)) + inner_stale + b"\x12" + varint(len(inner)) + inner
     )
-    fast = codec.decode_step_message(doubled)
-    reference = codec.decode_step(combined.step)
-    for a, b in zip(fast, reference, strict=True):
-        np.testing.assert_array_equal(a, b)
+    # The step sent twice, the second without rewards or flags: protobuf merges the two.
+    partial = seedrl_pb2.Step(observations=combined.step.observations).SerializeToString()
+    merged = seedrl_pb2.ActorMessage()
+    merged.ParseFromString(b"\x12" + varint(len(inner)) + inner)
+    merged.MergeFromString(b"\x12" + varint(len(partial)) + partial)
+    halves = b"\x12" + varint(len(inner)) + inner + b"\x12" + varint(len(partial)) + partial
+    for raw, message in ((doubled, combined), (halves, merged)):
+        assert codec.decode_step_message(raw) is None  # the fast reader steps aside
+        reference = codec.decode_step(message.step)
+        for a, b in zip(decode(codec, raw), reference, strict=True):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(decode(codec, halves).rewards, step.rewards)
     # An unknown varint field: the fast reader steps aside, protobuf skips it.
     with_unknown = valid + b"\x28\x01"
     assert codec.decode_step_message(with_unknown) is None
