@@ -212,6 +212,9 @@ class Learner:
             max_abs_observation=config.max_abs_observation,
             max_streams=config.max_streams,
             max_env_slots=config.max_env_slots,
+            # With several processes each counts its own share, and a process whose actors
+            # stopped could not train on to the update they all agree to stop after.
+            step_budget=config.total_env_steps if self.placement.process_count == 1 else 0,
         )
         temp_budget = learning.policy_temp_budget(self.placement.inference_device)
         if (

@@ -170,11 +170,15 @@ class LearnerService:
         max_abs_observation: float = 1e8,
         max_streams: int = 8192,
         max_env_slots: int = 65536,
+        step_budget: int = 0,
     ):
         """`auth_token`: streams must carry it (see seedrl.security); "" lets all in.
         `idle_timeout_s`: a stream owing its next step for this long is ended.
         `max_abs_reward`, `max_abs_observation`: a step beyond them ends its stream.
-        `max_streams`, `max_env_slots`: hellos past these caps are refused."""
+        `max_streams`, `max_env_slots`: hellos past these caps are refused.
+        `step_budget`: once the env steps counted reach it, streams end with OK at their
+        next step, without waiting for the learner's completion check (0: no budget)."""
+        self._step_budget = step_budget
         self._max_streams = max_streams
         self._max_env_slots = max_env_slots
         self._env_slots = 0
@@ -380,6 +384,9 @@ class LearnerService:
                 return
             actor.last_seen = time.monotonic()
             actor.received_bytes += len(raw)
+            if self._step_budget and self._stats.env_steps >= self._step_budget:
+                # Under load the completion check comes late, while every stream steps on.
+                self.stop_serving(finished=True)
             if self.stopping:
                 self._end_of_service()
                 return

@@ -263,3 +263,28 @@ def test_a_second_learner_on_a_busy_port_says_so(tmp_path):
         assert LearnerThread(busy).start().wait(timeout_s=60) == 2
     finally:
         first.stop()
+
+
+def test_the_learner_stops_taking_steps_at_its_budget(tmp_path):
+    """Streams end at their next step once the budget is counted, whenever the learner's
+    completion check (every 0.25 s, later under load) comes: counting envs step in
+    microseconds, so a quarter of a second more would be thousands of steps."""
+    import json
+
+    from tests.fleet import train_to_the_end
+
+    budget, actors, num_envs = 3000, 2, 8
+    train_to_the_end(
+        "counting:v0",
+        tmp_path / "run",
+        tmp_path / "logs",
+        "--total-env-steps",
+        str(budget),
+        actors=actors,
+        num_envs=num_envs,
+        timeout_s=300,
+    )
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    counted = json.loads(lines[-1])["env_steps"]
+    # At most the step each stream had sent before its next one was refused.
+    assert budget <= counted <= budget + actors * num_envs, counted
