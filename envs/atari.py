@@ -25,7 +25,7 @@ from envs.base import SeedOnce, first_step, spec_of_one
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, TensorSpec
 
-# One place for the protocol; the README lists the same values.
+# One place for the protocol; docs/environments.md lists the same values.
 ATARI_SETTINGS: dict[str, Any] = {
     "repeat_action_probability": 0.25,  # sticky actions (Machado et al.)
     "frameskip": 4,  # each agent step repeats the action for 4 frames

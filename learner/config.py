@@ -414,7 +414,7 @@ PRESETS: dict[str, LearnerConfig] = {
         batch_size=16,
         unroll_queue_size=32,
         # Decayed to 0 at total_env_steps, as every preset's: at a constant 2e-3 a run can
-        # solve the task and lose it again in its last updates (README, "Results").
+        # solve the task and lose it again in its last updates.
         learning_rate=2e-3,
         reward_clipping="none",
         entropy_cost=0.01,

@@ -2,7 +2,7 @@
 # TensorBoard on a run's event files (RUN_DIR/tensorboard), or on a folder of runs.
 # Usage: scripts/dashboard.sh RUN_DIR [--port N] [--bind-all]   (default port 6006,
 #        on 127.0.0.1; --bind-all serves other machines too)
-# The live fleet page needs nothing of this: the learner serves it itself (see README).
+# The live fleet page needs nothing of this: the learner serves it itself (docs/metrics.md).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ $# -eq 0 ] || [ ! -d "$1" ]; then
