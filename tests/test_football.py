@@ -30,8 +30,8 @@ from tests.fleet import (
 )
 
 HAVE_GFOOTBALL = importlib.util.find_spec("gfootball") is not None
-# scripts/test.sh builds the engine where it can (root and apt) and then requires these
-# tests to run: a missing engine fails them instead of skipping them.
+# SEEDRL_REQUIRE_FOOTBALL=1 (a machine that has built the engine) makes a missing engine
+# fail these tests instead of skipping them.
 needs_engine = pytest.mark.skipif(
     not HAVE_GFOOTBALL and not os.environ.get("SEEDRL_REQUIRE_FOOTBALL"),
     reason="gfootball is not installed (scripts/install_football.sh builds it in minutes)",
