@@ -182,10 +182,8 @@ class LearnerService:
         self._max_streams = max_streams
         self._max_env_slots = max_env_slots
         self._env_slots = 0
-        self._value_bounds = {
-            "max_abs_reward": max_abs_reward,
-            "max_abs_observation": max_abs_observation,
-        }
+        self._max_abs_reward = max_abs_reward
+        self._max_abs_observation = max_abs_observation
         self.env_spec = env_spec
         self._token = auth_token
         self._idle_timeout_s = idle_timeout_s
@@ -375,7 +373,8 @@ class LearnerService:
             self.env_spec.action,
             actor.num_envs,
             observation_changes=actor.observation_changes,
-            **self._value_bounds,
+            max_abs_reward=self._max_abs_reward,
+            max_abs_observation=self._max_abs_observation,
         )
         loop = asyncio.get_running_loop()
         while True:

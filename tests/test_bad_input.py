@@ -59,6 +59,18 @@ def step(num_envs: int = 2, **changes) -> bytes:
 OFFSET_0 = np.array([0], "<u4").tobytes()
 WORD_0 = np.zeros(1, "<u8").tobytes()
 
+
+def changed_after_a_step(words: list[float]) -> list[bytes]:
+    """A stream that agreed on observation changes, sent one step whole, and then a step
+    changing the first word to `words` (two float32)."""
+    changes = step(
+        observations=b"",
+        changed_offsets=OFFSET_0,
+        changed_words=np.array(words, "<f4").tobytes(),
+    )
+    return [hello(observation_changes=True), step(), changes]
+
+
 CASES = {
     "garbage instead of a hello": (
         [b"\xff\xff\xff\xff garbage"],
@@ -179,28 +191,12 @@ CASES = {
         "step 2: changed offset 6 is past the observations' 6 words",
     ),
     "a non-finite observation change": (
-        [
-            hello(observation_changes=True),
-            step(),
-            step(
-                observations=b"",
-                changed_offsets=OFFSET_0,
-                changed_words=np.array([0.0, np.nan], "<f4").tobytes(),
-            ),
-        ],
+        changed_after_a_step([0.0, np.nan]),
         grpc.StatusCode.INVALID_ARGUMENT,
         "step 2: observation changes are not all finite",
     ),
     "a finite but huge observation change": (
-        [
-            hello(observation_changes=True),
-            step(),
-            step(
-                observations=b"",
-                changed_offsets=OFFSET_0,
-                changed_words=np.array([0.0, 3e38], "<f4").tobytes(),
-            ),
-        ],
+        changed_after_a_step([0.0, 3e38]),
         grpc.StatusCode.INVALID_ARGUMENT,
         "step 2: observation changes reach 3e+38, beyond the learner's bound of 1e+08",
     ),
