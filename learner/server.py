@@ -181,7 +181,6 @@ class LearnerService:
         self._step_budget = step_budget
         self._max_streams = max_streams
         self._max_env_slots = max_env_slots
-        self._env_slots = 0
         self._max_abs_reward = max_abs_reward
         self._max_abs_observation = max_abs_observation
         self.env_spec = env_spec
@@ -345,7 +344,6 @@ class LearnerService:
         self.history[owner] = (actor.actor_id, actor.run_id)
         while len(self.history) > HISTORY_SIZE:
             self.history.popitem(last=False)
-        self._env_slots += actor.num_envs
         self._batcher.stream_opened()
         self._stats.stream_change(actors=1, envs=actor.num_envs)
         logger.info(
@@ -441,11 +439,12 @@ class LearnerService:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the learner serves {len(self.streams)} streams, its cap (--max-streams)",
             )
-        if self._env_slots + hello.num_envs > self._max_env_slots:
+        taken = self._stats.connected_envs
+        if taken + hello.num_envs > self._max_env_slots:
             raise StreamRefused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{hello.num_envs} envs more would pass the learner's cap of "
-                f"{self._max_env_slots} env slots (--max-env-slots); {self._env_slots} are taken",
+                f"{self._max_env_slots} env slots (--max-env-slots); {taken} are taken",
             )
         now = time.monotonic()
         for other in self.streams.values():
@@ -462,7 +461,6 @@ class LearnerService:
 
     def _disconnect(self, actor: ActorStream) -> None:
         self.streams.pop(actor.owner, None)
-        self._env_slots -= actor.num_envs
         self._batcher.stream_closed()
         self._stats.count_dropped(*self._store.release(actor.owner, actor.slots))
         self._stats.stream_change(actors=-1, envs=-actor.num_envs)

@@ -390,7 +390,7 @@ def test_hellos_past_the_caps_on_streams_and_env_slots_are_refused(tmp_path):
             for call in calls:
                 call.cancel()
         wait_until(lambda: not service.streams, 10, "the held streams to end")
-        assert service._env_slots == 0  # the slots counted are given back
+        assert fleet.learner.stats.connected_envs == 0  # the slots counted are given back
     finally:
         release.set()
         fleet.stop()
