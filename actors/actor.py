@@ -8,8 +8,8 @@ double-buffered sampling of Sample Factory). When a stream breaks the actor
 reconnects every group with capped exponential backoff and jitter, under a
 new run id and with freshly reset envs, since the learner has dropped what
 it held of the old run. It exits 0 when the learner ends the stream with OK
-(training finished), and 2 when the learner refuses it for a reason retrying
-cannot fix (wrong env, spec or protocol).
+(training finished), and 2 when the learner refuses it for good (wrong env, spec
+or protocol, bad data, a cap): the learner marks each refusal final or retryable.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from seedrl.specs import PROTOCOL_VERSION
 from seedrl.transport import (
     KEEPALIVE_INTERVAL_S,
     KEEPALIVE_TIMEOUT_S,
+    REFUSAL_KEY,
+    REFUSAL_RETRY,
     STREAM_PATH,
     channel_options,
     check_keepalive,
@@ -44,7 +46,9 @@ from seedrl.transport import (
 
 logger = logging.getLogger(__name__)
 
-# Refusals that a retry cannot cure: the actor exits instead of looping.
+# Statuses without the learner's verdict (from gRPC itself, or a learner that gives
+# none) that a retry cannot cure: the actor exits instead of looping. RESOURCE_EXHAUSTED
+# is gRPC's for a message past a size limit, which the next attempt passes again.
 PERMANENT_FAILURES = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -52,8 +56,19 @@ PERMANENT_FAILURES = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
+
+
+def is_final(error: grpc.aio.AioRpcError) -> bool:
+    """Whether the stream's end forbids reconnecting: the learner's own verdict
+    (REFUSAL_KEY in the trailing metadata) where it gave one, whatever the code."""
+    verdict = dict(error.trailing_metadata() or ()).get(REFUSAL_KEY)
+    if verdict is not None:
+        return verdict != REFUSAL_RETRY
+    return error.code() in PERMANENT_FAILURES
+
 
 EXIT_FINISHED = 0
 EXIT_REFUSED = 2
@@ -243,7 +258,7 @@ class Actor:
                 logger.info("the learner finished training; actor %s exits", self.actor_id)
                 return EXIT_FINISHED
             except grpc.aio.AioRpcError as error:
-                if error.code() in PERMANENT_FAILURES:
+                if is_final(error):
                     logger.error(
                         "the learner refused actor %s: %s: %s",
                         self.actor_id,

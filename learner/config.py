@@ -212,7 +212,8 @@ class LearnerConfig:
     RUN_DIR/checkpoints/UPDATES. Ignored when RUN_DIR has checkpoints of its own (resume)."""
     max_nonfinite_updates: int = 10
     """Stop (with a checkpoint of the last good state) after this many updates in a row
-    whose loss or gradient was not finite; each one is skipped."""
+    whose loss or gradient was not finite; each one is skipped. A skip that one stream's
+    data alone explains ends that stream instead and is not counted."""
 
     def __post_init__(self) -> None:
         def require(condition: bool, message: str) -> None:

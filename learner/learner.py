@@ -271,6 +271,8 @@ class Learner:
             max_nonfinite_updates=config.max_nonfinite_updates,
             batch_passes=config.batch_passes,
             minibatches=config.minibatches,
+            finite_check=learning.make_finite_check_fn(network.apply, settings),
+            end_streams=self.service.end_streams,
         )
         self._stop_check = (
             StopCheck(

@@ -30,7 +30,13 @@ from seedrl.codec import StepCodec, WireError, observation_changes_allowed
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION, ActionSpec, EnvSpec, SpecError, TensorSpec
 from seedrl.text import shown
-from seedrl.transport import SERVICE_NAME, STREAM_METHOD
+from seedrl.transport import (
+    REFUSAL_FINAL,
+    REFUSAL_KEY,
+    REFUSAL_RETRY,
+    SERVICE_NAME,
+    STREAM_METHOD,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +48,30 @@ MAX_NAME_CHARS = 128
 """The longest actor id, run id or host name a hello may carry."""
 
 
+# Refusals after which the same actor may reconnect: the learner is stopping, the stream
+# owed a step too long, or the id was another live stream's or passed to a newer one.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
 class StreamRefused(Exception):
     """Ends a stream with `code` and a message that names the fault."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """Tells the actor whether reconnecting can help (seedrl.transport.REFUSAL_KEY)."""
+        verdict = REFUSAL_RETRY if self.code in RETRYABLE else REFUSAL_FINAL
+        return ((REFUSAL_KEY, verdict),)
 
 
 def parse_message(raw: bytes, what: str) -> seedrl_pb2.ActorMessage:
@@ -142,6 +166,9 @@ class ActorStream:
     received_bytes: int = 0
     """Bytes of its step messages so far (what its link carries to the learner)."""
     superseded_by: str = ""
+    spoiled: str = ""
+    """Why training refuses this stream's data (set by `end_streams`); it ends at its next
+    step."""
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     """time.monotonic() of its latest message."""
@@ -232,6 +259,18 @@ class LearnerService:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(_resolve, batch, replies)
 
+    def end_streams(self, owners: list[int], reason: str) -> None:
+        """Ends the streams of `owners` at their next step with INVALID_ARGUMENT and
+        `reason` (thread-safe: the trainer calls it)."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._spoil, owners, reason)
+
+    def _spoil(self, owners: list[int], reason: str) -> None:
+        for owner in owners:
+            actor = self.streams.get(owner)
+            if actor is not None and not actor.spoiled:
+                actor.spoiled = reason
+
     def stop_serving(self, finished: bool) -> None:
         """Ends every stream at its next message or reply.
 
@@ -273,27 +312,24 @@ class LearnerService:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no step for {self._idle_timeout_s:g} s after the learner's last reply",
             )
-            self._refused(refusal, actor, context)
-            await context.abort(refusal.code, str(refusal))
+            await self._refuse(refusal, actor, context)
         except StreamRefused as refusal:
-            self._refused(refusal, actor, context)
-            await context.abort(refusal.code, str(refusal))
+            await self._refuse(refusal, actor, context)
         except Exception as error:  # a path no check foresaw: this stream ends, not others
             logger.error("stream handler failed", exc_info=error)
             refusal = StreamRefused(
                 grpc.StatusCode.INTERNAL,
                 f"the learner failed on this stream ({type(error).__name__})",
             )
-            self._refused(refusal, actor, context)
-            await context.abort(refusal.code, str(refusal))
+            await self._refuse(refusal, actor, context)
         finally:
             if actor is not None:
                 self._disconnect(actor)
 
-    def _refused(
+    async def _refuse(
         self, refusal: StreamRefused, actor: ActorStream | None, context: grpc.aio.ServicerContext
     ) -> None:
-        """Counts and logs a stream's end by refusal (not the learner's own stopping)."""
+        """Ends the stream by `refusal`: counted (unless the learner is stopping) and logged."""
         if refusal.code != grpc.StatusCode.UNAVAILABLE:
             self._stats.count_stream_error(refusal.code.name)
             if actor is None:
@@ -301,6 +337,7 @@ class LearnerService:
         who = f"actor {actor.actor_id} run {actor.run_id}" if actor else context.peer()
         log = logger.info if refusal.code == grpc.StatusCode.UNAVAILABLE else logger.warning
         log("stream of %s ended: %s: %s", who, refusal.code.name, refusal)
+        await context.abort(refusal.code, str(refusal), refusal.trailing_metadata)
 
     async def _accept(self, context: grpc.aio.ServicerContext) -> ActorStream | None:
         """Reads and checks the hello and registers the stream; None when stopping.
@@ -387,6 +424,8 @@ class LearnerService:
             if self.stopping:
                 self._end_of_service()
                 return
+            if actor.spoiled:
+                raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, actor.spoiled)
             if actor.superseded_by:
                 raise StreamRefused(
                     grpc.StatusCode.ABORTED,

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from learner.agents.vtrace.learning import TrainState, Trajectories
+from learner.agents.vtrace.learning import Params, TrainState, Trajectories
 from learner.checkpoint import Checkpointer
 from learner.devices import Placement
 from learner.frame_stack import frame_indices
@@ -87,6 +87,8 @@ class Trainer:
         max_nonfinite_updates: int = 10,
         batch_passes: int = 1,
         minibatches: int = 1,
+        finite_check: Callable[[Params, Trajectories, jax.Array], jax.Array] | None = None,
+        end_streams: Callable[[list[int], str], None] | None = None,
     ):
         """`batch_size` is this process's share of the batch; `placement` the devices it
         is trained on (default: one); `recycle` takes back the unrolls of each batch once
@@ -94,13 +96,20 @@ class Trainer:
         with the counters and whatever `checkpoint_meta` adds; after
         `max_nonfinite_updates` skipped (non-finite) updates in a row the trainer fails
         with NonFiniteLoss. Each batch is cut into `minibatches` along B and trained on
-        `batch_passes` times, an update per minibatch and pass."""
+        `batch_passes` times, an update per minibatch and pass.
+
+        With `finite_check` (learning.make_finite_check_fn) a skipped update is checked
+        unroll by unroll: the streams whose unroll alone is not finite go to
+        `end_streams` (their owners, and why), and such a skip is theirs, not counted
+        toward the limit, which stands for the model itself diverging."""
         self._batch_passes = batch_passes
         self._minibatches = minibatches
         self.state = state
         self._checkpointer = checkpointer
         self._checkpoint_meta = checkpoint_meta
         self._max_nonfinite = max_nonfinite_updates
+        self._finite_check = finite_check
+        self._end_streams = end_streams
         self._nonfinite_in_a_row = 0
         self._recycle = recycle
         self._update_fn = update_fn
@@ -206,13 +215,29 @@ class Trainer:
             params, opt_state = jax.device_get(self._placement.local_copy((params, opt_state)))
         self._checkpointer.save(int(self.state.updates), params, opt_state, meta)
 
-    def _skip(self, metrics: dict[str, float]) -> None:
-        """An update whose loss or gradient was not finite: nothing of it was applied."""
-        self._nonfinite_in_a_row += 1
+    def _skip(self, metrics: dict[str, float], minibatch: Trajectories, owners: list[int]) -> None:
+        """An update whose loss or gradient was not finite: nothing of it was applied.
+
+        `minibatch` is its batch on the host, `owners` the streams of its unrolls."""
         self._stats.count_skipped_update()
+        update = int(self.state.updates) + 1
+        culprits = self._culprits(minibatch, owners)
+        if culprits:
+            logger.warning(
+                "update %d skipped: loss %s, gradient norm %s; the data of stream(s) %s alone "
+                "makes it so: they end",
+                update,
+                metrics["loss"],
+                metrics["grad_norm"],
+                culprits,
+            )
+            assert self._end_streams is not None
+            self._end_streams(culprits, f"the data of this stream made update {update} non-finite")
+            return
+        self._nonfinite_in_a_row += 1
         logger.warning(
             "update %d skipped: loss %s, gradient norm %s (%d in a row; the limit is %d)",
-            int(self.state.updates) + 1,
+            update,
             metrics["loss"],
             metrics["grad_norm"],
             self._nonfinite_in_a_row,
@@ -224,6 +249,19 @@ class Trainer:
                 f"gradient; the state of update {int(self.state.updates)}, the last good one, "
                 "is checkpointed. Lower --learning-rate or check the inputs."
             )
+
+    def _culprits(self, minibatch: Trajectories, owners: list[int]) -> list[int]:
+        """The streams (owners) whose unroll of `minibatch` alone has a non-finite loss or
+        gradient under the current parameters; [] without a check or when none has."""
+        if self._finite_check is None or self._end_streams is None:
+            return []
+        params = self._placement.local_copy(self.state.params)
+        culprits = []
+        for column, owner in enumerate(owners):
+            one = jax.tree.map(lambda x, c=column: x[:, c : c + 1], minibatch)
+            if not bool(self._finite_check(params, one, self.state.updates)):
+                culprits.append(owner)
+        return sorted(set(culprits))
 
     def roll_back(self, state: TrainState) -> None:
         """Makes `state`, of an earlier update, the trainer's (once it has stopped), and
@@ -240,27 +278,35 @@ class Trainer:
 
     def _train(self, batch: list[Unroll]) -> None:
         trajectories, versions = stack_unrolls(batch)
+        owners = [unroll.owner for unroll in batch]
         if self._recycle is not None:
             self._recycle(batch)  # stacked: nothing refers to them any more
         parts = minibatch_columns(trajectories.actions.shape[1], self._minibatches)
+        minibatches = [
+            jax.tree.map(lambda x, c=columns: x[:, c], trajectories) for columns in parts
+        ]
         on_device = [
-            (
-                self._placement.put_batch(jax.tree.map(lambda x, c=columns: x[:, c], trajectories)),
-                versions[:, columns],
-            )
-            for columns in parts
+            (self._placement.put_batch(minibatch), versions[:, columns], owners[columns], minibatch)
+            for minibatch, columns in zip(minibatches, parts, strict=True)
         ]
         for _ in range(self._batch_passes):
-            for minibatch, minibatch_versions in on_device:
-                self._step(minibatch, minibatch_versions)
+            for minibatch, *rest in on_device:
+                self._step(minibatch, *rest)
 
-    def _step(self, batch: Trajectories, versions: np.ndarray) -> None:
-        """One update on `batch` (on the device), whose unrolls `versions` acted."""
+    def _step(
+        self,
+        batch: Trajectories,
+        versions: np.ndarray,
+        owners: list[int],
+        on_host: Trajectories,
+    ) -> None:
+        """One update on `batch` (on the device; `on_host` on the host), whose unrolls
+        `versions` acted and `owners` sent."""
         version = int(self.state.updates)
         self.state, metrics = self._update_fn(self.state, batch)
         metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
         if not metrics.pop("finite"):
-            self._skip(metrics)
+            self._skip(metrics, on_host, owners)
             return
         self._nonfinite_in_a_row = 0
         new_version = version + 1

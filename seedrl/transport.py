@@ -8,6 +8,13 @@ SERVICE_NAME = "seedrl.v1.Learner"
 STREAM_METHOD = "Stream"
 STREAM_PATH = f"/{SERVICE_NAME}/{STREAM_METHOD}"
 
+# The learner ends every stream it refuses with this trailing metadata key, valued
+# REFUSAL_FINAL (the actor exits: retrying cannot help) or REFUSAL_RETRY (the actor
+# reconnects). A status without it comes from gRPC or the network, not the learner.
+REFUSAL_KEY = "seedrl-refusal"
+REFUSAL_FINAL = "final"
+REFUSAL_RETRY = "retry"
+
 # Large enough for 256 Atari observations (4x84x84 bytes each) in one step,
 # small enough that a bad peer cannot make the learner buffer gigabytes.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

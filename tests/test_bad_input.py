@@ -19,7 +19,7 @@ from envs import registry
 from seedrl.codec import EnvStep, StepCodec
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION, TensorSpec
-from seedrl.transport import STREAM_PATH
+from seedrl.transport import REFUSAL_FINAL, REFUSAL_KEY, STREAM_PATH
 from tests.fleet import LearnerThread, learner_config, spawn_actor, wait_until
 
 ENV = "counting:v0"
@@ -244,6 +244,7 @@ def test_a_malformed_stream_is_ended_with_a_named_fault(served, case):
     assert error.code() == code, error.details()
     assert text in error.details()
     assert len(error.details()) < 400  # never the peer's input at length
+    assert dict(error.trailing_metadata())[REFUSAL_KEY] == REFUSAL_FINAL  # the actor exits
     # Counted in the metrics under its status code.
     assert stats.stream_error_counts()[code.name] == counted_before + 1
     # The honest actor is still served, and the learner still trains.
@@ -409,5 +410,40 @@ def test_an_unforeseen_failure_ends_its_stream_with_internal_and_no_repr(tmp_pat
         assert error.code() == grpc.StatusCode.INTERNAL
         assert error.details() == "the learner failed on this stream (KeyError)"
         assert fleet.learner.stats.stream_error_counts()["INTERNAL"] == 1
+        # A real actor takes the learner's verdict, final, over its own view of INTERNAL
+        # (which it would retry): it exits instead of reconnecting for ever.
+        actor = spawn_actor(fleet.address, ENV, 2, "doomed", tmp_path / "actors")
+        try:
+            assert actor.wait(timeout_s=60) == 2, actor.log()
+        finally:
+            actor.kill()
+        assert "INTERNAL: the learner failed on this stream (KeyError)" in actor.log()
     finally:
+        fleet.stop()
+
+
+def test_a_stream_whose_data_makes_updates_non_finite_ends_and_training_goes_on(tmp_path):
+    """With the reward bound lifted, float32's largest rewards pass the step check and make
+    the loss overflow. The skipped updates name that stream, it ends, and neither the
+    honest actor nor training stops (without the check the learner exits after 10)."""
+    config = learner_config(ENV, tmp_path / "run", max_abs_reward=float(np.finfo(np.float32).max))
+    fleet = LearnerThread(config, train=True).start()
+    actor = spawn_actor(fleet.address, ENV, 2, "honest", tmp_path / "actors")
+    try:
+        stats = fleet.learner.stats
+        wait_until(lambda: stats.updates > 0, 60, "the honest actor's first update")
+        huge = np.full(2, np.finfo(np.float32).max, "<f4").tobytes()
+        # Far more steps than the unrolls that can be trained on before the stream ends.
+        error = send_raw(fleet.address, [hello(actor_id="hostile"), *[step(rewards=huge)] * 20_000])
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert error.details().startswith("the data of this stream made update "), error.details()
+        assert error.details().endswith(" non-finite")
+        assert stats.skipped_updates > 0
+        steps, updates = stats.env_steps, stats.updates
+        wait_until(lambda: stats.updates > updates + 20, 60, "training to go on")
+        wait_until(lambda: stats.env_steps > steps + 50, 30, "the honest actor to go on")
+        assert [s.actor_id for s in fleet.learner.service.streams.values()] == ["honest"]
+        assert fleet.wait(0) is None  # still running
+    finally:
+        actor.kill()
         fleet.stop()

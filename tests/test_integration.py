@@ -222,6 +222,17 @@ def test_an_actor_is_refused_for_the_wrong_env_and_exits(fleet, tmp_path):
     assert "does not match the learner's env 'counting:v0'" in actor.log()
 
 
+def test_an_actor_refused_by_a_cap_exits(tmp_path):
+    fleet = LearnerThread(learner_config(ENV, tmp_path / "run", max_env_slots=1)).start()
+    actor = spawn_actor(fleet.address, ENV, 2, "wide", tmp_path / "actors")
+    try:
+        assert actor.wait(timeout_s=60) == 2, actor.log()
+        assert "RESOURCE_EXHAUSTED" in actor.log() and "--max-env-slots" in actor.log()
+    finally:
+        actor.kill()
+        fleet.stop()
+
+
 def test_a_stopped_learner_leaves_actors_retrying_until_one_is_back(tmp_path):
     # Wide observations: the reconnected actor must begin its new stream with them whole.
     env = "counting:wide"

@@ -361,6 +361,22 @@ def make_update_fn(
     return jax.jit(update) if axis is None else placement.jit_sharded(update)
 
 
+def make_finite_check_fn(
+    apply_fn: ApplyFn, settings: LossSettings
+) -> Callable[[Params, Trajectories, jax.Array], jax.Array]:
+    """(params, batch, updates) -> whether the loss and gradient of `batch` are finite, on
+    one device (jitted). An update that was not finite runs it unroll by unroll, to find
+    whose data alone makes it so."""
+
+    def finite(params: Params, batch: Trajectories, updates: jax.Array) -> jax.Array:
+        grads, (metrics, _) = jax.grad(
+            lambda p: loss_fn(p, apply_fn, batch, settings, None, updates), has_aux=True
+        )(params)
+        return jnp.isfinite(metrics["loss"]) & jnp.isfinite(optax.tree.norm(grads))
+
+    return jax.jit(finite)
+
+
 class PolicyStep(NamedTuple):
     actions: jax.Array
     """int32 [N]."""
