@@ -33,6 +33,16 @@ if [ "$(id -u)" = 0 ] && ip netns add "$probe" 2>/dev/null; then
   ip netns del "$probe"
   export SEEDRL_REQUIRE_NETNS=1
 fi
+# Google Research Football's engine is built from source (minutes, once; uv caches the
+# wheel) where this machine can install its Debian build packages: there its tests must
+# run, never skip. SEEDRL_TEST_FOOTBALL=0 leaves it out.
+if [ "${SEEDRL_TEST_FOOTBALL:-1}" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if scripts/install_football.sh; then
+    export SEEDRL_REQUIRE_FOOTBALL=1
+  else
+    echo "test: could not build gfootball; its engine tests will skip" >&2
+  fi
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # pytest exits 5 when it collects no tests; set -e makes that a failure too.

@@ -241,11 +241,21 @@ def test_a_learner_and_two_actors_train_on_an_academy_scenario(tmp_path):
 @pytest.mark.slow
 def test_academy_empty_goal_close_is_learned_within_1m_env_steps(tmp_path):
     """The football preset, the CLI learner and 2 actor processes: from the random
-    policy's 0.15 goals per episode to a 100-episode mean of 0.5 or more."""
+    policy's 0.15 goals per episode to a 100-episode mean of 0.5 or more, which 20 greedy
+    episodes of the parameters of that moment reach too (the sampling fleet can score
+    while the most likely action does not), and which the run ends with."""
     from tests.test_learning import read_metrics, run_eval, run_learner
 
     learner, port = run_learner(
-        tmp_path, "--env", EMPTY_GOAL, "--total-env-steps", "1000000", "--stop-at-return", "0.5"
+        tmp_path,
+        "--env",
+        EMPTY_GOAL,
+        "--total-env-steps",
+        "1000000",
+        "--stop-at-return",
+        "0.5",
+        "--stop-eval-episodes",
+        "20",
     )
     actors = [
         spawn_actor(f"127.0.0.1:{port}", EMPTY_GOAL, 8, f"football-{i}", tmp_path) for i in range(2)
