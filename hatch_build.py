@@ -1,13 +1,13 @@
-"""Builds the policy's oneDNN convolution (learner/ops/native/) when the package is built.
+"""Builds the policy's oneDNN convolution (learner/backends/cpu/native/) when the package is built.
 
 hatchling runs this hook for wheels and for the editable install that
-scripts/setup.sh makes. It compiles learner/ops/native/onednn_conv.cc against
+scripts/setup.sh makes. It compiles learner/backends/cpu/native/onednn_conv.cc against
 the XLA FFI headers that jaxlib carries and oneDNN's headers and library
 (onednn-devel-cpu-gomp), all build requirements in pyproject.toml, into
-learner/ops/native/libseedrl_onednn.so. Linux x86_64 only, where the
+learner/backends/cpu/native/libseedrl_onednn.so. Linux x86_64 only, where the
 onednn-cpu-gomp wheel exists. Where it cannot build (another platform, no C++
 compiler), the package installs without it and the policy's convolutions stay
-on XLA's own kernels (learner/ops/onednn_conv.py says why at run time).
+on XLA's own kernels (learner/backends/cpu/onednn_conv.py says why at run time).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-SOURCE = "learner/ops/native/onednn_conv.cc"
-LIBRARY = "learner/ops/native/libseedrl_onednn.so"
+SOURCE = "learner/backends/cpu/native/onednn_conv.cc"
+LIBRARY = "learner/backends/cpu/native/libseedrl_onednn.so"
 
 
 def _headers_and_library() -> tuple[Path, Path, Path] | str:

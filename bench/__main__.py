@@ -19,6 +19,7 @@ import tyro
 
 from bench import machine, report
 from bench.common import CaseResult, Settings
+from learner.backends.cpu import xla_flags
 
 CASES = "abcdef"
 
@@ -87,6 +88,7 @@ def run_cases(config: BenchConfig) -> dict[str, CaseResult]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = tyro.cli(BenchConfig, args=argv, prog="python -m bench")
+    xla_flags.apply()  # before JAX starts, as seedrl-learner does
     # The learner's own progress lines are noise here: the benchmark prints the figures.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     run_cases(config)

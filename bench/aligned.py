@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 from bench.network import OBSERVATION_SHAPE, _interleaved, _Jax
-from learner.config import PRESETS
-from learner.host_arrays import XLA_CPU_ALIGNMENT, aligned_zeros, is_aligned
+from learner.backends.cpu.host_arrays import XLA_CPU_ALIGNMENT, aligned_zeros, is_aligned
+from learner.presets import PRESETS
 
 TRAINING_FRAMES = (24, 32, 1, 84, 84)
 """A Pong training batch's frames: T+S = 20+4 steps x B = 32 unrolls."""

@@ -136,11 +136,11 @@ def serving_fleet(
 
     Without training, a thread takes the unrolls where the trainer would.
     """
+    from bench import uniform_policy
     from envs import registry
-    from learner.agents.vtrace import learning
-    from learner.background import BackgroundLearner
-    from learner.config import preset_for
     from learner.learner import Learner
+    from learner.presets import preset_for
+    from learner.tools.background import BackgroundLearner
 
     spec = registry.spec(env)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -156,7 +156,9 @@ def serving_fleet(
                 **overrides,
             },
         )
-        policy_fn = None if train else learning.make_uniform_policy_fn(spec.action.num_actions)
+        policy_fn = (
+            None if train else uniform_policy.make_uniform_policy_fn(spec.action.num_actions)
+        )
         learner = Learner(config, policy_fn=policy_fn, console=False)
         learner.compile()
         served = BackgroundLearner(learner, train=train).start()
@@ -190,7 +192,7 @@ def serving_fleet(
 
 def _metrics(learner: Any, config: Any) -> Any:
     """A metrics logger on the learner's counters; the benchmark takes its own records."""
-    from learner.metrics import MetricsLogger
+    from learner.telemetry.metrics import MetricsLogger
 
     return MetricsLogger(
         os.path.join(config.run_dir, "bench.jsonl"),
@@ -410,7 +412,7 @@ def message_sized_batch(env: str, envs_per_message: int) -> dict[str, int]:
     """The learner settings that let one inference batch take a whole message of
     `envs_per_message` envs, where the env's preset would refuse it (a message is never
     split across batches); {} where the preset takes it already."""
-    from learner.config import preset_for
+    from learner.presets import preset_for
 
     preset = preset_for(env)
     if envs_per_message <= preset.max_envs_per_stream:
@@ -430,7 +432,7 @@ def trivial_configurations(num_envs: int, short: bool, env: str) -> list[tuple[i
     times the preset's (the learner's batch is raised to take them:
     `message_sized_batch`), so that the learner's and the actors' costs per message
     are spread over four times the env steps. Rows that repeat one before are left out."""
-    from learner.config import preset_for
+    from learner.presets import preset_for
 
     if short:
         return [(num_envs, 1)]

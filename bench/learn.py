@@ -27,7 +27,7 @@ from typing import Any
 import tyro
 
 from bench import machine
-from learner.plot import read_metrics
+from learner.tools.plot import read_metrics
 
 # Random and human scores of the usual Atari tables (Mnih et al. 2015, Badia et al.
 # 2020): where a score stands between the two.

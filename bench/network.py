@@ -3,7 +3,7 @@
 Two workloads, each timed in JAX and in PyTorch in the same process:
 
 - the policy: Nature CNN apply plus sampling an action and its log-probability
-  (`learning.make_policy_fn`), on uint8 Atari observations [N, 4, 84, 84];
+  (`policy_fns.make_policy_fn`), on uint8 Atari observations [N, 4, 84, 84];
 - the V-trace train step (`learning.make_update_fn`): T=20 (21 steps) x B=32
   unrolls, 6 actions, the atari preset's optimizer after gradient clipping.
 
@@ -31,11 +31,12 @@ import numpy as np
 import optax
 
 from bench.common import CaseResult, Column, Settings, cores
+from learner.agents.networks import make_network
 from learner.agents.vtrace import learning
-from learner.config import PRESETS
-from learner.learner import loss_settings, optimizer_for
-from learner.networks import make_network
-from learner.rewards import training_rewards
+from learner.data.rewards import training_rewards
+from learner.inference import policy as policy_fns
+from learner.presets import PRESETS
+from learner.training.settings import loss_settings, optimizer_for
 
 NUM_ACTIONS = 6
 OBSERVATION_SHAPE = (4, 84, 84)
@@ -81,8 +82,8 @@ class _Jax:
             jax.random.key(0), np.zeros((1, *OBSERVATION_SHAPE), np.uint8)
         )
         # As the learner builds it for a CPU: large batches run in chunks (learning.py).
-        self.policy_fn = learning.make_policy_fn(
-            self.network.apply, learning.policy_temp_budget(jax.devices()[0])
+        self.policy_fn = policy_fns.make_policy_fn(
+            self.network.apply, policy_fns.policy_temp_budget(jax.devices()[0])
         )
 
     def forward(self, observations: np.ndarray) -> Timed:
@@ -368,7 +369,7 @@ def run(settings: Settings) -> CaseResult:
         f"torch.set_num_threads({threads}), XLA's intra-op pool uses every core.",
         # Importing `learner` (below) set them before this program's first JAX use.
         f"XLA_FLAGS={flags!r}",
-        "forward: Nature CNN apply + action sampling (learning.make_policy_fn), uint8 "
+        "forward: Nature CNN apply + action sampling (policy_fns.make_policy_fn), uint8 "
         "[N, 4, 84, 84]; train step: learning.make_update_fn, V-trace loss, "
         f"{config.optimizer} after clipping to global norm {config.max_grad_norm}, "
         f"{NUM_ACTIONS} actions, samples = T x B transitions.",

@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from bench.network import TRAIN_SHAPE, _interleaved, _Jax, _observations, _trajectories
-from learner import xla_flags
-from learner.config import PRESETS
+from learner.backends.cpu import xla_flags
+from learner.presets import PRESETS
 
 ONEDNN_OPTION = "xla_cpu_experimental_onednn_custom_call"
 ONEDNN_CALL_TARGET = "__onednn$convolution"

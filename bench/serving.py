@@ -157,10 +157,10 @@ def _client(address, streams, num_envs, first_id, connection):
 
 def serving_learner(env: str, run_dir: str, **overrides):
     """A compiled learner of `env` with the uniform random policy, not yet serving."""
+    from bench import uniform_policy
     from envs import registry
-    from learner.agents.vtrace import learning
-    from learner.config import preset_for
     from learner.learner import Learner
+    from learner.presets import preset_for
 
     config = dataclasses.replace(
         preset_for(env),
@@ -173,7 +173,7 @@ def serving_learner(env: str, run_dir: str, **overrides):
         **overrides,
     )
     spec = registry.spec(env)
-    policy_fn = learning.make_uniform_policy_fn(spec.action.num_actions)
+    policy_fn = uniform_policy.make_uniform_policy_fn(spec.action.num_actions)
     learner = Learner(config, policy_fn=policy_fn, console=False)
     learner.compile()
     return learner
@@ -187,7 +187,7 @@ def measure(
     run_dir: str,
     streams_per_client: int = STREAMS_PER_CLIENT,
 ):
-    from learner.background import BackgroundLearner
+    from learner.tools.background import BackgroundLearner
 
     learner = serving_learner(
         ENV,

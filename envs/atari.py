@@ -3,7 +3,7 @@
 The settings follow Machado et al. 2018 ("Revisiting the Arcade Learning
 Environment"), as gymnasium's ALE v5 envs do, and the usual DQN-style
 preprocessing, except that each env sends one frame per step and the learner
-stacks the last four (EnvSpec.frame_stack, learner/frame_stack.py). Frames are
+stacks the last four (EnvSpec.frame_stack, learner/data/frame_stack.py). Frames are
 42x42 by default, as RLlib's fast Atari agents use: on a CPU the learner's
 arithmetic decides the minutes to a score. "atari:GAME/84x84" gives the DQN
 size (options: `parse_name`).

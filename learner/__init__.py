@@ -1,10 +1,7 @@
 """The learner: gRPC server, dynamic batcher, inference, unroll store and V-trace trainer.
 
-Importing it sets the learner's XLA flags (learner/xla_flags.py) while they
-can still take effect, so a learner built in any program (the CLI, tests,
-benchmarks, a notebook) gets the same fast CPU convolutions.
+Importing it sets nothing: the programs (seedrl-learner, seedrl-eval, the benchmarks,
+the tests) apply the learner's XLA flags (learner/backends/cpu/xla_flags.py) before JAX
+starts, and a program that builds a `Learner` itself gets them from it while JAX has
+not started yet.
 """
-
-from learner import xla_flags
-
-xla_flags.apply()

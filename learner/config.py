@@ -1,4 +1,5 @@
-"""The learner's configuration: one frozen dataclass, presets, and its CLI.
+"""The learner's configuration: one frozen dataclass (presets: learner/presets.py; the CLI:
+learner/main.py).
 
 The CLI is generated from the dataclass by tyro, each field's docstring
 becoming its help. A preset supplies the defaults, picked from the env id's
@@ -8,17 +9,13 @@ classic:CartPole-v1` alone trains well; any flag overrides the preset.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
 from typing import Literal
 
-import tyro
-
-from learner.devices import device_indices
-from learner.networks import NetworkName
+from learner.agents.networks import NetworkName
+from learner.backends.devices import device_indices
 from seedrl.transport import KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S, check_keepalive
 
 
@@ -321,168 +318,3 @@ class LearnerConfig:
             return self.run_dir
         name = self.env.replace(":", "-").replace("/", "-")
         return f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-PRESETS: dict[str, LearnerConfig] = {
-    # 42x42 frames and the compact CNN, trained as PPO trains Atari: two passes over each
-    # batch in minibatches of two unrolls (a gradient step per 40 transitions), PPO's clip
-    # against the acting policy, lambda 0.95, gradients clipped to 0.5, Adam at three
-    # times PPO's 2.5e-4. The learning rate and the entropy bonus decay to 0 over 6M
-    # agent steps (24M frames, an hour on 2 cores): exploration early, refinement late.
-    # Advantages are not normalised: at their raw scale the entropy bonus holds the
-    # policy near uniform longer, and Pong leaves random play sooner (docs/learning.md).
-    "atari": LearnerConfig(
-        env="atari:Pong",
-        network="compact_cnn",
-        total_env_steps=6_000_000,
-        learning_rate=7.5e-4,
-        entropy_cost_decay=True,
-        batch_size=16,
-        minibatches=8,
-        batch_passes=2,
-        policy_clip=0.2,
-        normalize_advantages=False,
-        vtrace_lambda=0.95,
-        max_grad_norm=0.5,
-        unroll_queue_size=16,
-        stop_eval_epsilon=0.01,
-    ),
-    # 84x84 frames (atari:GAME/84x84): the Nature CNN and the usual IMPALA-family
-    # settings (unroll 20, batch 32, discount 0.99, rewards clipped to [-1, 1], entropy
-    # 0.01, gradient norm 40).
-    "atari_84": LearnerConfig(env="atari:Pong/84x84", stop_eval_epsilon=0.01),
-    # Tuned on CartPole-v1 with 2 actors x 16 envs (docs/architecture.md): the
-    # separate value torso of the mlp network mattered most, then the reward
-    # scale. Unscaled, advantages of tens swamped the entropy bonus: 4 runs in
-    # 63 failed, 2 of them collapsed to one action. At 0.1 none of 60 collapsed;
-    # they solved at 73k-298k env steps (median 115k).
-    "classic": LearnerConfig(
-        env="classic:CartPole-v1",
-        total_env_steps=500_000,
-        network="mlp",
-        mlp_hidden_sizes=(64, 64),
-        inference_batch_size=64,
-        inference_timeout_ms=2.0,
-        unroll_length=10,
-        batch_size=8,
-        unroll_queue_size=32,
-        learning_rate=2e-3,
-        reward_clipping="none",
-        reward_scale=0.1,
-        entropy_cost=0.01,
-        log_interval_s=2.0,
-    ),
-    # Google Research Football's academy scenarios (short drills, +1 for a goal): the
-    # mini-map CNN and many small updates. With T=32 x B=16 and learning rates of
-    # 3e-4 to 1.5e-3, empty_goal_close stayed at the random policy's 0.15 goals for
-    # 55-70k env steps (too few updates for the logits to move); T=16 x B=4 at 1e-3
-    # reached a mean of 0.9 at 42.5k (docs/football/empty-goal-close.png).
-    "football": LearnerConfig(
-        env="football:academy_empty_goal_close",
-        total_env_steps=1_000_000,
-        network="smm_cnn",
-        inference_batch_size=64,
-        inference_timeout_ms=2.0,
-        unroll_length=16,
-        batch_size=4,
-        unroll_queue_size=32,
-        learning_rate=1e-3,
-        discount=0.993,
-        vtrace_lambda=0.95,
-        entropy_cost=0.003,
-        reward_clipping="none",
-        log_interval_s=5.0,
-    ),
-    # Full 11 vs 11 games with the scoring reward: SEED RL's published settings.
-    "football_11v11": LearnerConfig(
-        env="football:11_vs_11_easy_stochastic",
-        total_env_steps=500_000_000,
-        network="smm_cnn",
-        unroll_length=32,
-        batch_size=32,
-        discount=0.997,
-        vtrace_lambda=0.9,
-        learning_rate=5.5e-5,
-        entropy_cost=3.2e-5,
-        reward_clipping="none",
-    ),
-    # The cue-recall task (envs/memory.py): an LSTM agent, small and fast.
-    "memory": LearnerConfig(
-        env="memory:cue-5",
-        total_env_steps=200_000,
-        network="mlp",
-        mlp_hidden_sizes=(64,),
-        lstm_size=64,
-        inference_batch_size=64,
-        inference_timeout_ms=2.0,
-        unroll_length=10,
-        batch_size=16,
-        unroll_queue_size=32,
-        # Decayed to 0 at total_env_steps, as every preset's: at a constant 2e-3 a run can
-        # solve the task and lose it again in its last updates.
-        learning_rate=2e-3,
-        reward_clipping="none",
-        entropy_cost=0.01,
-        log_interval_s=2.0,
-    ),
-    # For system tests: small and fast.
-    "counting": LearnerConfig(
-        env="counting:v0",
-        total_env_steps=1_000_000,
-        network="mlp",
-        mlp_hidden_sizes=(32,),
-        inference_batch_size=64,
-        inference_timeout_ms=2.0,
-        unroll_length=8,
-        batch_size=8,
-        unroll_queue_size=16,
-        learning_rate=1e-3,
-        reward_clipping="none",
-        log_interval_s=1.0,
-    ),
-}
-
-
-def preset_for(env_id: str, preset: str = "") -> LearnerConfig:
-    """The preset named `preset`, or the one of the env's family; env set to `env_id`."""
-    family, _, scenario = env_id.partition(":")
-    name = preset or family
-    if not preset and family == "football" and scenario.startswith("11_vs_11"):
-        name = "football_11v11"
-    if not preset and family == "atari" and _atari_frame_size(scenario) >= 64:
-        name = "atari_84"
-    if name not in PRESETS:
-        raise ValueError(f"no preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
-    config = dataclasses.replace(PRESETS[name], env=env_id, preset=name)
-    if family == "football" and scenario.endswith("/simple115v2"):
-        # 115 floats, not the mini-map: a vector torso.
-        config = dataclasses.replace(config, network="mlp", mlp_hidden_sizes=(256, 256))
-    return config
-
-
-def _atari_frame_size(name: str) -> int:
-    """The frame size an Atari env id's name asks for (0 when it names none or is malformed:
-    the env then says what is wrong)."""
-    for option in name.split("/")[1:]:
-        height, _, width = option.partition("x")
-        if height.isdigit() and height == width:
-            return int(height)
-    return 0
-
-
-def parse_cli(argv: Sequence[str] | None = None) -> LearnerConfig:
-    """LearnerConfig from command-line flags, on top of the preset they select."""
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument("--env", default=LearnerConfig.env)
-    peek.add_argument("--preset", default="")
-    known, _ = peek.parse_known_args(argv)
-    try:
-        defaults = preset_for(known.env, known.preset)
-    except ValueError as error:
-        raise SystemExit(f"seedrl-learner: {error}") from error
-    return tyro.cli(
-        LearnerConfig,
-        args=argv,
-        default=defaults,
-        prog="seedrl-learner",
-    )

@@ -18,37 +18,45 @@ import queue
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc.aio
 import jax
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 
 from envs import registry
-from learner import checkpoint
-from learner.agents.vtrace import learning
-from learner.batcher import DynamicBatcher
-from learner.checkpoint import Checkpointer
-from learner.config import LearnerConfig
-from learner.devices import DeviceError, Placement, digest, prepare_cpu_devices, select_devices
-from learner.inference import InferenceLoop, ParameterSource
-from learner.metrics import MetricsLogger
-from learner.networks import (
+from learner.agents.networks import (
     CONV_RELU_TORSOS,
     check_network_fits,
     core_state_shape,
     init_params,
     make_network,
 )
-from learner.ops import onednn_conv
-from learner.server import LearnerService
-from learner.stats import RETURN_WINDOW, LearnerStats
-from learner.stop_check import StopCheck
-from learner.telemetry import Telemetry
-from learner.trainer import Trainer
-from learner.unroll_store import UnrollStore
+from learner.agents.vtrace import learning
+from learner.backends.cpu import onednn_conv, xla_flags
+from learner.backends.devices import (
+    digest,
+)
+from learner.config import LearnerConfig
+from learner.data.unroll_store import UnrollStore
+from learner.inference import policy as policy_fns
+from learner.inference.loop import InferenceLoop, ParameterSource
+from learner.serving.batcher import DynamicBatcher
+from learner.serving.server import LearnerService
+from learner.telemetry.metrics import MetricsLogger
+from learner.telemetry.server import Telemetry
+from learner.telemetry.stats import LearnerStats
+from learner.training import checkpoint
+from learner.training.checkpoint import Checkpointer
+from learner.training.settings import (
+    example_trajectories,
+    learning_rate_schedule,
+    loss_settings,
+    optimizer_for,
+    placement_for,
+)
+from learner.training.stop_check import ReturnStop, StopCheck
+from learner.training.trainer import Trainer
 from seedrl import security
 from seedrl.specs import EnvSpec
 from seedrl.transport import server_options
@@ -57,93 +65,6 @@ logger = logging.getLogger(__name__)
 
 COMPLETION_CHECK_S = 0.25
 STOP_CHECK_SEED = 2_000_003  # the envs of --stop-eval-episodes: apart from the actors' seeds
-
-
-def global_batch_size(config: LearnerConfig, device_count: int) -> int:
-    """Unrolls per update over every learner device (and process)."""
-    if config.batch_size_per_device:
-        return config.batch_size_per_device * device_count
-    return config.batch_size
-
-
-def scaled_learning_rate(config: LearnerConfig, global_batch: int) -> float:
-    """--learning-rate, scaled linearly with the global batch when --learning-rate-base-batch
-    says what batch it was tuned for (Goyal et al. 2017)."""
-    if not config.learning_rate_base_batch:
-        return config.learning_rate
-    return config.learning_rate * global_batch / config.learning_rate_base_batch
-
-
-def learning_rate_schedule(
-    config: LearnerConfig, global_batch: int | None = None
-) -> optax.Schedule:
-    global_batch = global_batch or config.batch_size
-    learning_rate = scaled_learning_rate(config, global_batch)
-    if not config.learning_rate_decay:
-        return optax.constant_schedule(learning_rate)
-    return optax.linear_schedule(learning_rate, 0.0, total_updates(config, global_batch))
-
-
-def total_updates(config: LearnerConfig, global_batch: int) -> int:
-    """The gradient steps --total-env-steps buys: where the decaying schedules reach 0."""
-    batches = max(1, config.total_env_steps // (config.unroll_length * global_batch))
-    # The schedules' step count is an int32 on the device.
-    return min(batches * config.batch_passes * config.minibatches, 2**31 - 1)
-
-
-def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    return learning.make_optimizer(
-        config.optimizer,
-        schedule,
-        config.max_grad_norm,
-        config.optimizer_epsilon,
-        config.rmsprop_decay,
-        config.rmsprop_momentum,
-    )
-
-
-def loss_settings(config: LearnerConfig, global_batch: int | None = None) -> learning.LossSettings:
-    decay_updates = 0
-    if config.entropy_cost_decay:
-        decay_updates = total_updates(config, global_batch or config.batch_size)
-    return learning.LossSettings(
-        discount=config.discount,
-        lambda_=config.vtrace_lambda,
-        clip_rho_threshold=config.clip_rho_threshold,
-        clip_pg_rho_threshold=config.clip_pg_rho_threshold,
-        baseline_cost=config.baseline_cost,
-        entropy_cost=config.entropy_cost,
-        entropy_decay_updates=decay_updates,
-        reward_clipping=config.reward_clipping,
-        reward_scale=config.reward_scale,
-        policy_clip=config.policy_clip,
-        normalize_advantages=config.normalize_advantages,
-    )
-
-
-def example_trajectories(
-    config: LearnerConfig, env_spec: EnvSpec, batch: int | None = None
-) -> learning.Trajectories:
-    """Zeros of the training batch's shapes (`batch` unrolls, default --batch-size), to compile
-    the update ahead of time."""
-    steps, batch = config.unroll_length + 1, batch or config.batch_size
-    stack = env_spec.frame_stack
-    frames = config.unroll_length + stack
-    return learning.Trajectories(
-        observations=np.zeros(
-            (frames, batch, *env_spec.observation.shape), env_spec.observation.np_dtype
-        ),
-        frame_index=None if stack == 1 else np.zeros((steps, batch, stack), np.int32),
-        first=np.ones((steps, batch), np.bool_) if config.lstm_size else None,
-        core_state=np.zeros((1, batch, *core_state_shape(config.lstm_size)), np.float32)
-        if config.lstm_size
-        else None,
-        actions=np.zeros((steps, batch), np.int32),
-        behaviour_log_probs=np.zeros((steps, batch), np.float32),
-        rewards=np.zeros((steps, batch), np.float32),
-        terminated=np.zeros((steps, batch), np.bool_),
-        truncated=np.zeros((steps, batch), np.bool_),
-    )
 
 
 class Learner:
@@ -156,6 +77,7 @@ class Learner:
     ):
         """`policy_fn` replaces the network's policy in inference (serving benchmarks);
         `console=False` keeps the progress lines off stdout (metrics.jsonl still has them)."""
+        xla_flags.ensure_applied()  # a program that did not apply them: while they can act
         self.config = config
         self._console = console
         self.env_spec = env_spec or registry.spec(config.env)
@@ -169,7 +91,7 @@ class Learner:
         spec = self.env_spec
         model_observation = spec.model_observation
         check_network_fits(config.network, model_observation.dtype, model_observation.shape)
-        self.placement = self._place()
+        self.placement, self.global_batch, self.local_batch = placement_for(config)
         network = make_network(
             config.network, spec.action.num_actions, config.mlp_hidden_sizes, config.lstm_size
         )
@@ -179,7 +101,16 @@ class Learner:
         self._schedule = learning_rate_schedule(config, self.global_batch)
         optimizer = optimizer_for(config, self._schedule)
         settings = loss_settings(config, self.global_batch)
-        params, opt_state, updates = self._initial_state(params, optimizer.init(params))
+        params, opt_state, resumed = checkpoint.starting_state(
+            self.run_dir, config.init_checkpoint, params, optimizer.init(params)
+        )
+        self.resumed_from = None if resumed is None else int(resumed["updates"])
+        updates = self.resumed_from or 0
+        if resumed is not None:
+            self.stats.restore(int(resumed["env_steps"]), int(resumed["episodes"]), updates)
+            if "rng_key" in resumed:
+                key_data = np.asarray(resumed["rng_key"], np.uint32)
+                self._policy_key = jax.random.wrap_key_data(key_data)
         state = learning.TrainState(params, opt_state, jax.numpy.int32(updates))
         if self.placement.process_count > 1:
             # Whatever each process found in its run directory, all start from process 0's.
@@ -202,7 +133,7 @@ class Learner:
             env_spec=spec,
             store=self.store,
             batcher=self.batcher,
-            parameters=self.parameters,
+            policy_version=lambda: self.parameters.version,
             stats=self.stats,
             max_envs=config.max_envs_per_stream,
             hello_timeout_s=config.hello_timeout_s,
@@ -216,7 +147,7 @@ class Learner:
             # stopped could not train on to the update they all agree to stop after.
             step_budget=config.total_env_steps if self.placement.process_count == 1 else 0,
         )
-        temp_budget = learning.policy_temp_budget(self.placement.inference_device)
+        temp_budget = policy_fns.policy_temp_budget(self.placement.inference_device)
         if (
             policy_fn is None
             and self.placement.inference_device.platform == "cpu"
@@ -232,9 +163,9 @@ class Learner:
         self.inference = InferenceLoop(
             policy_fn=policy_fn
             or (
-                learning.make_recurrent_policy_fn(network.apply, temp_budget)
+                policy_fns.make_recurrent_policy_fn(network.apply, temp_budget)
                 if config.lstm_size
-                else learning.make_policy_fn(network.apply, temp_budget)
+                else policy_fns.make_policy_fn(network.apply, temp_budget)
             ),
             core_state_shape=core_state_shape(config.lstm_size) if config.lstm_size else None,
             device=self.placement.inference_device,
@@ -274,7 +205,8 @@ class Learner:
             finite_check=learning.make_finite_check_fn(network.apply, settings),
             end_streams=self.service.end_streams,
         )
-        self._stop_check = (
+        self.return_stop = ReturnStop(
+            config.stop_at_return,
             StopCheck(
                 config.env,
                 network,
@@ -284,12 +216,11 @@ class Learner:
                 epsilon=config.stop_eval_epsilon,
             )
             if config.stop_eval_episodes
-            else None
+            else None,
+            self.stats,
+            self.parameters,
+            on_failure=self._fail,
         )
-        # The training state whose parameters the check playing now plays, and the one a
-        # passing check stopped the run with (its last state; see _shutdown).
-        self._checking: learning.TrainState | None = None
-        self._checked: learning.TrainState | None = None
         self.telemetry = Telemetry(
             run_dir=self.run_dir,
             stats=self.stats,
@@ -313,78 +244,6 @@ class Learner:
             ),
         )
 
-    def _place(self) -> Placement:
-        """The training devices, inference's device, and the batch each process collects."""
-        config = self.config
-        prepare_cpu_devices(config.learner_devices, config.inference_device)
-        local = select_devices(config.learner_devices)
-        inference = None
-        if config.inference_device >= 0:
-            available = jax.local_devices()
-            if config.inference_device >= len(available):
-                raise DeviceError(
-                    f"--inference-device {config.inference_device}: this host has "
-                    f"{len(available)} devices"
-                )
-            inference = available[config.inference_device]
-        placement = Placement(local, inference)
-        self.global_batch = global_batch_size(config, placement.device_count)
-        if self.global_batch % placement.device_count:
-            raise DeviceError(
-                f"the global batch of {self.global_batch} unrolls does not split evenly over "
-                f"{placement.device_count} learner devices; make it a multiple"
-            )
-        self.local_batch = self.global_batch // placement.process_count
-        minibatch = self.local_batch // config.minibatches
-        if self.local_batch % config.minibatches or minibatch % len(placement.local_devices):
-            raise DeviceError(
-                f"this process's {self.local_batch} unrolls do not cut into {config.minibatches} "
-                f"minibatches that split evenly over its {len(placement.local_devices)} devices"
-            )
-        if config.unroll_queue_size < self.local_batch:
-            raise DeviceError(
-                f"--unroll-queue-size {config.unroll_queue_size} must hold this process's "
-                f"share of the batch ({self.local_batch} unrolls)"
-            )
-        logger.info(
-            "training on %s; %d unrolls per update (%d from this process)",
-            placement.describe(),
-            self.global_batch,
-            self.local_batch,
-        )
-        return placement
-
-    def _initial_state(self, params: Any, opt_state: Any) -> tuple[Any, Any, int]:
-        """Resumes the run directory's newest checkpoint, or starts from --init-checkpoint's
-        parameters, or from `params`: (params, optimizer state, updates done)."""
-        config = self.config
-        self.resumed_from: int | None = None
-        if checkpoint.available(self.run_dir):
-            params, opt_state, meta = checkpoint.load_state(self.run_dir, params, opt_state)
-            updates = int(meta["updates"])
-            self.resumed_from = updates
-            self.stats.restore(int(meta["env_steps"]), int(meta["episodes"]), updates)
-            if "rng_key" in meta:
-                self._policy_key = jax.random.wrap_key_data(np.asarray(meta["rng_key"], np.uint32))
-            logger.info(
-                "resuming %s from its checkpoint of update %d (%d env steps)",
-                self.run_dir,
-                updates,
-                meta["env_steps"],
-            )
-            if config.init_checkpoint:
-                logger.warning("--init-checkpoint ignored: the run resumes its own checkpoint")
-            return params, opt_state, updates
-        if config.init_checkpoint:
-            run_dir, updates = checkpoint.resolve(config.init_checkpoint)
-            params, meta = checkpoint.load_params(run_dir, params, updates)
-            logger.info(
-                "a new run from the parameters of %s, update %d",
-                config.init_checkpoint,
-                meta["updates"],
-            )
-        return params, opt_state, 0
-
     # -- lifecycle ----------------------------------------------------------
 
     def _fail(self, error: BaseException) -> None:
@@ -401,8 +260,7 @@ class Learner:
                 self.config, self.env_spec, self.local_batch // self.config.minibatches
             )
         )
-        if self._stop_check is not None:
-            self._stop_check.warm_up(self.parameters.latest()[0])
+        self.return_stop.warm_up(self.parameters.latest()[0])
 
     async def run(self, ready: asyncio.Event | None = None, train: bool = True) -> int:
         """Serves and trains until total_env_steps, a signal, or a failure; the exit code.
@@ -501,7 +359,7 @@ class Learner:
                 if time.monotonic() >= next_log:
                     next_log += config.log_interval_s
                     self._log(metrics)
-                reason = self._completion() or self._return_reached()
+                reason = self._completion() or self.return_stop.reason()
                 if reason:
                     finished = True
                     logger.info("%s: training finished", reason)
@@ -519,8 +377,7 @@ class Learner:
             self._log(metrics)
             metrics.close()
             self.telemetry.close()
-            if self._stop_check is not None:
-                self._stop_check.close()
+            self.return_stop.close()
         if self._failure is not None:
             logger.error("the learner stopped because of: %r", self._failure)
             return 1
@@ -545,64 +402,13 @@ class Learner:
             return f"reached {env_steps} of {self.config.total_env_steps} env steps"
         return ""
 
-    def _return_reached(self) -> str:
-        """Why training is complete by --stop-at-return, or "" while it is not.
-
-        With --stop-eval-episodes the current parameters must also reach the target,
-        played greedily on a thread of their own while serving and training go on."""
-        target = self.config.stop_at_return
-        if target is None:
-            return ""
-        _, returns = self.stats.progress()
-        fleet_mean = sum(returns) / len(returns) if len(returns) >= RETURN_WINDOW else None
-        reached = ""
-        if fleet_mean is not None and fleet_mean >= target:
-            reached = (
-                f"mean return {fleet_mean:.2f} of the last {len(returns)} episodes reached "
-                f"{target:g}"
-            )
-        check = self._stop_check
-        if check is None:
-            return reached
-        episodes = self.stats.counters()["episodes"]
-        try:
-            finished = check.finished()
-        except Exception as error:  # the learner's own envs failed: stop, with a checkpoint
-            self._fail(error)
-            return ""
-        if finished is not None:
-            version, played = finished
-            mean = sum(played) / len(played)
-            self.stats.add("stop_check_return", mean)
-            verdict = (
-                f"{len(played)} {check.policy} episodes of the parameters of update {version} "
-                f"averaged {mean:.2f}"
-            )
-            if reached and mean >= target:
-                self._checked = self._checking
-                return f"{reached}, and {verdict}"
-            check.fell_short(episodes)
-            self._checking = None
-            logger.info(
-                "%s, %s: training on",
-                verdict,
-                f"short of {target:g}"
-                if mean < target
-                else f"but the fleet's 100-episode mean fell back below {target:g}",
-            )
-        elif reached and check.may_start(episodes):
-            params, version, self._checking = self.parameters.latest_with_state()
-            check.start(params, version)
-        return ""
-
     async def _shutdown(self, server: grpc.aio.Server, finished: bool) -> None:
         # Streams end with OK (actors exit) when training finished; otherwise with
         # UNAVAILABLE (actors retry until a learner is back).
         self.service.stop_serving(finished)
         self.telemetry.serving = False
         await asyncio.to_thread(self.trainer.stop)
-        if self._checked is not None:
-            await asyncio.to_thread(self._end_with_checked, self._checked)
+        await asyncio.to_thread(self.return_stop.end_with_checked, self.trainer)
         # Bit-identical on every learner process of a multi-host run: the logs can say so.
         state = self.trainer.state
         logger.info(
@@ -615,30 +421,6 @@ class Learner:
         await asyncio.to_thread(self.trainer.save_checkpoint)
         await asyncio.to_thread(self.trainer.close_checkpoints)
         await server.stop(grace=2.0 if finished else 0.5)
-
-    def _end_with_checked(self, checked: learning.TrainState) -> None:
-        """A run stopped by a passing check ends with the state it checked: training went
-        on while the check played, and those updates, never checked, are dropped (with
-        any checkpoint of them), so the final checkpoint holds the policy that passed."""
-        checked_updates, trained = int(checked.updates), int(self.trainer.state.updates)
-        if checked_updates == trained:
-            return
-        if self.trainer.coordinated:
-            # Every process must end with the same state, and they agreed on this one.
-            logger.warning(
-                "the learner processes agreed to stop after update %d; the check passed "
-                "update %d, whose state this process alone cannot go back to",
-                trained,
-                checked_updates,
-            )
-            return
-        self.trainer.roll_back(checked)
-        logger.info(
-            "the run ends with the checked state of update %d: the %d updates trained "
-            "while the check played are dropped",
-            checked_updates,
-            trained - checked_updates,
-        )
 
     def stop(self) -> None:
         """Asks a running learner to stop (thread-safe); nothing once it has ended."""

@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import sys
 from collections.abc import Sequence
 
+import tyro
+
+from learner.backends.cpu import xla_flags
+from learner.config import LearnerConfig
+from learner.presets import preset_for
+
+
+def parse_cli(argv: Sequence[str] | None = None) -> LearnerConfig:
+    """LearnerConfig from command-line flags, on top of the preset they select."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--env", default=LearnerConfig.env)
+    peek.add_argument("--preset", default="")
+    known, _ = peek.parse_known_args(argv)
+    try:
+        defaults = preset_for(known.env, known.preset)
+    except ValueError as error:
+        raise SystemExit(f"seedrl-learner: {error}") from error
+    return tyro.cli(
+        LearnerConfig,
+        args=argv,
+        default=defaults,
+        prog="seedrl-learner",
+    )
+
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from learner.config import parse_cli
-
+    xla_flags.apply()  # before JAX starts
     config = parse_cli(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -19,13 +43,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     # jax reports at INFO each accelerator plugin it did not find.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    # orbax narrates every checkpoint at INFO through absl; learner.checkpoint says
+    # orbax narrates every checkpoint at INFO through absl; learner.training.checkpoint says
     # what matters in one line.
     logging.getLogger("absl").setLevel(logging.WARNING)
-    from learner import devices
-    from learner.checkpoint import NoCheckpointError
+    from learner.agents.networks import NetworkMismatch
+    from learner.backends import devices
     from learner.learner import Learner
-    from learner.networks import NetworkMismatch
+    from learner.training.checkpoint import NoCheckpointError
 
     try:
         # Both before JAX starts its backend: the CPU device count, the other processes.

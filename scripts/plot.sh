@@ -9,4 +9,4 @@ if [ $# -eq 0 ]; then
   exit 2
 fi
 "$root/scripts/setup.sh" --plot
-exec "$root/.venv/bin/python" -m learner.plot "$@"
+exec "$root/.venv/bin/python" -m learner.tools.plot "$@"

@@ -37,6 +37,6 @@ cd "$root"
 # The policy's oneDNN convolution is compiled when the package is built
 # (hatch_build.py). uv rebuilds the package when its source changes, not when
 # the ignored library has gone (git clean, a copy without ignored files).
-if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && [ ! -e learner/ops/native/libseedrl_onednn.so ]; then
+if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && [ ! -e learner/backends/cpu/native/libseedrl_onednn.so ]; then
   "$uv" sync --frozen --inexact ${extras[@]+"${extras[@]}"} --reinstall-package seedrl --quiet
 fi

@@ -387,9 +387,6 @@ class StepCodec:
             self._words[offsets] = values
         return self._words_view
 
-    def encode_actions(self, actions: np.ndarray, policy_version: int) -> bytes:
-        return encode_actions_message(actions, policy_version)
-
     # -- helpers ------------------------------------------------------------
 
     def _read(self, data: bytes, dtype: np.dtype, name: str) -> np.ndarray:

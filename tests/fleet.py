@@ -17,9 +17,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from learner.background import BackgroundLearner
-from learner.config import LearnerConfig, preset_for
+from learner.config import LearnerConfig
 from learner.learner import Learner
+from learner.presets import preset_for
+from learner.tools.background import BackgroundLearner
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

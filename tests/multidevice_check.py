@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from learner.agents.networks import init_params, make_network
 from learner.agents.vtrace import learning
-from learner.config import PRESETS
-from learner.devices import Placement
-from learner.learner import learning_rate_schedule, loss_settings, optimizer_for
-from learner.networks import init_params, make_network
+from learner.backends.devices import Placement
+from learner.presets import PRESETS
+from learner.training.settings import learning_rate_schedule, loss_settings, optimizer_for
 
 LSTM_SIZE = 16
 
@@ -36,7 +36,7 @@ def random_batch(network: str, steps: int, batch: int, rng: np.random.Generator)
         stack = 4
         frames = rng.integers(0, 256, (steps + stack, batch, 1, 84, 84), dtype=np.uint8)
         first = rng.random((steps + stack, batch)) < 0.05
-        from learner.frame_stack import frame_indices
+        from learner.data.frame_stack import frame_indices
 
         extra["frame_index"] = frame_indices(first, stack)
         num_actions, example = 6, np.zeros((1, 4, 84, 84), np.uint8)

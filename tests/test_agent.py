@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench import uniform_policy
+from learner.agents.networks import NetworkMismatch, check_network_fits, make_network
 from learner.agents.vtrace import learning
-from learner.networks import NetworkMismatch, check_network_fits, make_network
-from learner.ops.vtrace import vtrace
-from learner.rewards import training_rewards
+from learner.agents.vtrace.returns import vtrace
+from learner.data.rewards import training_rewards
+from learner.inference import policy as policy_fns
 
 SETTINGS = learning.LossSettings(
     discount=0.9,
@@ -167,7 +169,7 @@ def test_networks_give_logits_and_values(name, observation):
     output = network.apply(params, observation)
     assert output.logits.shape == (5, 6)
     assert output.values.shape == (5,)
-    policy = learning.make_policy_fn(network.apply)
+    policy = policy_fns.make_policy_fn(network.apply)
     key = jax.random.key(1)
     step, next_key = policy(params, observation, key)
     assert step.actions.shape == (5,) and step.actions.dtype == jnp.int32
@@ -190,18 +192,18 @@ def traced_rows(apply_fn, seen: list[int], axis: int = 0):
 
 def test_a_batch_over_the_temporaries_budget_runs_in_chunks_with_the_same_result():
     """On a CPU the learner's policy keeps its scratch memory within a budget
-    (learning.CPU_CALL_TEMP_BYTES): over it, the network runs on equal chunks of rows
+    (policy_fns.CPU_CALL_TEMP_BYTES): over it, the network runs on equal chunks of rows
     (the last overlapping the one before where they do not divide evenly), and
     samples the same actions with the same log-probabilities as the batch run whole."""
     network = make_network("nature_cnn", num_actions=6)
     observations = np.random.default_rng(0).integers(0, 256, (5, 4, 84, 84), np.uint8)
     params = network.init(jax.random.key(0), observations[:1])
     whole_rows, chunk_rows = [], []
-    whole = learning.make_policy_fn(traced_rows(network.apply, whole_rows))
+    whole = policy_fns.make_policy_fn(traced_rows(network.apply, whole_rows))
     one_row = whole.lower(params, observations[:1], jax.random.key(0)).compile()
     per_row = one_row.memory_analysis().temp_size_in_bytes
     budget = int(2.5 * per_row)  # room for 2 rows: rows 0-1, 2-3 and 3-4
-    chunked = learning.make_policy_fn(traced_rows(network.apply, chunk_rows), budget)
+    chunked = policy_fns.make_policy_fn(traced_rows(network.apply, chunk_rows), budget)
     key = jax.random.key(3)
     expected, _ = whole(params, observations, key)
     got, _ = chunked(params, observations, key)
@@ -216,7 +218,7 @@ def test_a_batch_over_the_temporaries_budget_runs_in_chunks_with_the_same_result
     assert temps[1] <= budget < temps[0], temps
     # Within the budget, or with none: the batch runs whole.
     within_rows: list[int] = []
-    within = learning.make_policy_fn(traced_rows(network.apply, within_rows), 5 * per_row)
+    within = policy_fns.make_policy_fn(traced_rows(network.apply, within_rows), 5 * per_row)
     within(params, observations, key)
     assert within_rows[-1] == 5
 
@@ -225,7 +227,7 @@ def test_the_learner_on_a_cpu_serves_every_batch_size_within_the_budget(tmp_path
     """The learner builds its policy with its inference device's budget: with Pong and
     batches of up to 200 (31 MiB of temporaries whole; 200 is no multiple of a chunk),
     every padded batch size compiles to a program within it."""
-    from learner.inference import padded_sizes
+    from learner.inference.loop import padded_sizes
     from learner.learner import Learner
     from tests.fleet import learner_config
 
@@ -237,7 +239,7 @@ def test_the_learner_on_a_cpu_serves_every_batch_size_within_the_budget(tmp_path
         observations = np.zeros((size, 4, 84, 84), np.uint8)
         program = learner.inference.policy_fn.lower(params, observations, jax.random.key(0))
         temp = program.compile().memory_analysis().temp_size_in_bytes
-        assert temp <= learning.CPU_CALL_TEMP_BYTES, (size, temp / 2**20)
+        assert temp <= policy_fns.CPU_CALL_TEMP_BYTES, (size, temp / 2**20)
 
 
 def test_the_temporaries_budget_is_for_cpus_only():
@@ -245,9 +247,9 @@ def test_the_temporaries_budget_is_for_cpus_only():
         def __init__(self, platform: str) -> None:
             self.platform = platform
 
-    assert learning.policy_temp_budget(jax.devices("cpu")[0]) == learning.CPU_CALL_TEMP_BYTES
-    assert learning.policy_temp_budget(Device("gpu")) is None
-    assert learning.policy_temp_budget(Device("tpu")) is None
+    assert policy_fns.policy_temp_budget(jax.devices("cpu")[0]) == policy_fns.CPU_CALL_TEMP_BYTES
+    assert policy_fns.policy_temp_budget(Device("gpu")) is None
+    assert policy_fns.policy_temp_budget(Device("tpu")) is None
 
 
 def test_unknown_network_is_refused():
@@ -292,7 +294,7 @@ def test_networks_accept_what_they_read(name, dtype, shape):
 def test_the_uniform_policy_draws_every_action_evenly_and_moves_its_key_on():
     """The serving benchmarks' stand-in policy: uniform over the actions, a fresh draw
     per call."""
-    policy = learning.make_uniform_policy_fn(6)
+    policy = uniform_policy.make_uniform_policy_fn(6)
     observations = np.zeros((6000, 2), np.float32)
     step, key = policy({}, observations, jax.random.key(0))
     counts = np.bincount(np.asarray(step.actions), minlength=6)
@@ -308,7 +310,7 @@ def test_the_uniform_policy_takes_the_observations_to_the_device():
     """As a real policy does: its program has the batch as an input, though it reads only
     the batch's size (jit would otherwise drop it, and serving benchmarks on an accelerator
     would leave out the transfer)."""
-    policy = learning.make_uniform_policy_fn(6)
+    policy = uniform_policy.make_uniform_policy_fn(6)
     lowered = policy.lower({}, np.zeros((64, 4, 84, 84), np.uint8), jax.random.key(0))
     main = next(line for line in lowered.as_text().splitlines() if "@main(" in line)
     assert "tensor<64x4x84x84xui8>" in main, main
@@ -409,7 +411,7 @@ def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
     import dataclasses
 
     from learner.config import LearnerConfig
-    from learner.learner import learning_rate_schedule, loss_settings, total_updates
+    from learner.training.settings import learning_rate_schedule, loss_settings, total_updates
 
     config = LearnerConfig(total_env_steps=64_000, unroll_length=20, batch_size=16)
     assert loss_settings(config).entropy_decay_updates == 0
@@ -423,7 +425,8 @@ def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
 def test_the_update_kl_of_stacked_frames_runs_the_policy_on_the_strided_steps():
     """Atari's batches hold frames and stack them in the update: the KL after it is the
     policy's on every KL_STEP_STRIDE-th stacked step of the first KL_UNROLLS unrolls."""
-    from learner.frame_stack import frame_indices, stack_frames
+    from learner.agents.vtrace.learning import stack_frames
+    from learner.data.frame_stack import frame_indices
 
     rng = np.random.default_rng(4)
     steps, unrolls, stack = 20, 6, 4
@@ -498,9 +501,9 @@ def test_an_update_on_real_atari_frames_moves_the_policy_to_a_planted_reward(env
     behaviour, PPO's clip stops every gradient once pi/mu passes 1.2, so p(2) would hover
     near the clip rather than measure the update.)"""
     from envs import registry
-    from learner.config import preset_for
-    from learner.frame_stack import frame_indices
-    from learner.learner import loss_settings
+    from learner.data.frame_stack import frame_indices
+    from learner.presets import preset_for
+    from learner.training.settings import loss_settings
 
     steps, envs, stack = 8, 8, 4
     env = registry.make(env_id, envs, seed=0)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from learner.batcher import DynamicBatcher, InferenceRequest
+from learner.serving.batcher import DynamicBatcher, InferenceRequest
 from seedrl.codec import EnvStep
 
 

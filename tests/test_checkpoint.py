@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner import checkpoint
+from learner.training import checkpoint
 
 
 def tree(value: float) -> dict:
@@ -33,7 +33,7 @@ def test_keeps_the_newest_and_loads_any_kept_one(tmp_path):
 
 def test_a_checkpoint_is_due_after_its_interval(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("learner.checkpoint.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("learner.training.checkpoint.time.monotonic", lambda: clock[0])
     saver = checkpoint.Checkpointer(str(tmp_path), interval_s=60, keep=1)
     assert not saver.due()
     clock[0] += 61

@@ -51,11 +51,11 @@ def test_float_observations_are_little_endian_on_the_wire():
 
 def test_actions_round_trip_and_range_check():
     codec = StepCodec(OBS, ACTIONS, num_envs=3)
-    raw = codec.encode_actions(np.array([0, 5, 2]), policy_version=7)
+    raw = encode_actions_message(np.array([0, 5, 2]), policy_version=7)
     message = seedrl_pb2.LearnerMessage.FromString(raw)
     assert message.actions.policy_version == 7
     np.testing.assert_array_equal(codec.decode_actions(message.actions), [0, 5, 2])
-    bad = seedrl_pb2.LearnerMessage.FromString(codec.encode_actions(np.array([0, 6, 2]), 1))
+    bad = seedrl_pb2.LearnerMessage.FromString(encode_actions_message(np.array([0, 6, 2]), 1))
     with pytest.raises(WireError, match=r"outside 0\.\.5"):
         codec.decode_actions(bad.actions)
 

@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 
-from learner.config import PRESETS, LearnerConfig, parse_cli, preset_for
+from learner.config import LearnerConfig
+from learner.main import parse_cli
+from learner.presets import PRESETS, preset_for
 
 
 def test_the_env_family_picks_the_preset():

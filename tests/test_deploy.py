@@ -30,7 +30,8 @@ import tyro
 import yaml
 
 from actors.actor import ActorConfig
-from learner.config import LearnerConfig, parse_cli
+from learner.config import LearnerConfig
+from learner.main import parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "deploy" / "kubernetes"

@@ -1,4 +1,4 @@
-"""The learner over several devices and several processes (learner/devices.py).
+"""The learner over several devices and several processes (learner/backends/devices.py).
 
 The update on N forced CPU devices against the same update on one; CartPole
 learnt on 2 devices through the real path; two learner processes joined by
@@ -15,9 +15,14 @@ import sys
 
 import pytest
 
-from learner.config import LearnerConfig, parse_cli
-from learner.devices import DeviceError, device_indices, distributed_settings
-from learner.learner import global_batch_size, learning_rate_schedule, scaled_learning_rate
+from learner.backends.devices import DeviceError, device_indices, distributed_settings
+from learner.config import LearnerConfig
+from learner.main import parse_cli
+from learner.training.settings import (
+    global_batch_size,
+    learning_rate_schedule,
+    scaled_learning_rate,
+)
 from tests.fleet import (
     ROOT,
     LoggedProcess,

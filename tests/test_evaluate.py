@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from learner.evaluate import EvalConfig, quotas
+from learner.inference.player import quotas
+from learner.tools.evaluate import EvalConfig
 from tests.fleet import ROOT
 
 EVAL = str(ROOT / ".venv" / "bin" / "seedrl-eval")
@@ -63,7 +64,7 @@ def constant_policy(env_id: str, network_name: str):
     import numpy as np
 
     from envs import registry
-    from learner.networks import init_params, make_network
+    from learner.agents.networks import init_params, make_network
 
     spec = registry.spec(env_id)
     network = make_network(network_name, spec.action.num_actions, (16,))
@@ -77,7 +78,7 @@ def test_an_epsilon_greedy_player_takes_a_uniform_action_that_often(epsilon, exp
     import jax
     import numpy as np
 
-    from learner.evaluate import Player
+    from learner.inference.player import Player
 
     network, params, spec = constant_policy("classic:CartPole-v1", "mlp")
     player = Player(network, spec, 0, sample=False, epsilon=epsilon)
@@ -96,8 +97,8 @@ def test_the_atari_stop_check_ends_episodes_of_a_policy_that_never_presses_fire(
     """Breakout waits for FIRE after every lost life: a greedy policy that never picks it
     plays on to the 108k-frame limit. The Atari presets' check acts epsilon-greedily, so
     its episodes end as the game's do."""
-    from learner.config import preset_for
-    from learner.stop_check import StopCheck
+    from learner.presets import preset_for
+    from learner.training.stop_check import StopCheck
 
     config = preset_for("atari:Breakout")
     assert config.stop_eval_epsilon == 0.01

@@ -14,7 +14,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import (
     masked_crc32c as tensorboard_masked_crc32c,
 )
 
-from learner.event_file import (
+from learner.telemetry.event_file import (
     FILE_VERSION,
     EventFileWriter,
     crc32c,
@@ -22,8 +22,8 @@ from learner.event_file import (
     masked_crc32c,
     scalar_summary,
 )
-from learner.stats import LearnerStats
-from learner.telemetry import Telemetry
+from learner.telemetry.server import Telemetry
+from learner.telemetry.stats import LearnerStats
 from tests.fleet import ROOT
 
 
@@ -118,7 +118,7 @@ def test_a_failed_write_is_logged_and_ends_the_file_not_the_caller(tmp_path, cap
     full = os.open("/dev/full", os.O_WRONLY)
     os.dup2(full, descriptor)
     os.close(full)
-    with caplog.at_level(logging.ERROR, logger="learner.event_file"):
+    with caplog.at_level(logging.ERROR, logger="learner.telemetry.event_file"):
         writer.add_scalars({"a": 2.0}, 2, wall_time=2.0)
         writer.add_scalars({"a": 3.0}, 3, wall_time=3.0)
     assert writer.closed
@@ -179,7 +179,7 @@ def test_a_resumed_learners_telemetry_marks_its_checkpoint(tmp_path):
 def test_telemetry_goes_on_without_tensorboard_where_it_cannot_write(tmp_path, caplog):
     (tmp_path / "tensorboard").write_text("a file where the directory should be")
     target = telemetry(tmp_path)
-    with caplog.at_level(logging.ERROR, logger="learner.telemetry"):
+    with caplog.at_level(logging.ERROR, logger="learner.telemetry.server"):
         target.start()
     assert any("cannot write TensorBoard" in record.getMessage() for record in caplog.records)
     publish(target, 100, 1.0)
@@ -195,8 +195,8 @@ def test_the_learners_telemetry_does_not_import_torch(tmp_path):
     (stand_in / "__init__.py").write_text("Tensor = object\n")
     code = f"""
 import sys
-from learner.stats import LearnerStats
-from learner.telemetry import Telemetry
+from learner.telemetry.stats import LearnerStats
+from learner.telemetry.server import Telemetry
 telemetry = Telemetry({str(tmp_path)!r}, LearnerStats(), {{}}, lambda: 0, {{}}, tensorboard=True,
                       http_address="127.0.0.1", http_port=-1)
 telemetry.start()

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from learner import checkpoint
+from learner.training import checkpoint
 from tests.fleet import (
     ROOT,
     LearnerThread,
@@ -221,8 +221,8 @@ def checkpoint_lines(log: str) -> list[str]:
 def example_params():
     """CartPole's network parameters, as the preset builds them (for loading)."""
     from envs import registry
-    from learner.config import preset_for
-    from learner.networks import make_network
+    from learner.agents.networks import make_network
+    from learner.presets import preset_for
 
     config = preset_for(CARTPOLE)
     spec = registry.spec(CARTPOLE)
@@ -242,6 +242,7 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
     )
     fleet = LearnerThread(config, train=False).start()
     prefix = f"chaos{os.getpid()}"
+    collector = Collector(fleet)
     launcher = subprocess.Popen(
         [
             str(ROOT / "scripts" / "launch_actors.sh"),
@@ -262,7 +263,6 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    collector = Collector(fleet)
     learner = fleet.learner
     rng = random.Random(0)
     recoveries: list[float] = []

@@ -6,9 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from learner.frame_stack import FrameStacker, frame_indices, stack_frames, window_validity
-from learner.trainer import stack_unrolls
-from learner.unroll_store import UnrollStore
+from learner.agents.vtrace.learning import stack_frames
+from learner.data.frame_stack import FrameStacker, frame_indices, window_validity
+from learner.data.unroll_store import UnrollStore
+from learner.training.trainer import stack_unrolls
 from seedrl.codec import EnvStep
 from seedrl.specs import ActionSpec, EnvSpec, SpecError, TensorSpec
 

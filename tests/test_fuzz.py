@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from envs import registry
-from learner.server import LearnerService, StreamRefused, check_hello, parse_message
+from learner.serving.hello import StreamRefused, check_hello, parse_message
+from learner.serving.server import LearnerService
 from seedrl.codec import EnvStep, StepCodec, WireError, observation_changes_allowed
 from seedrl.proto import seedrl_pb2
 from seedrl.specs import PROTOCOL_VERSION

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from learner.host_arrays import aligned_empty, aligned_zeros, is_aligned
-from learner.trainer import stack_unrolls
-from learner.unroll_store import UnrollStore
+from learner.backends.cpu.host_arrays import aligned_empty, aligned_zeros, is_aligned
+from learner.data.unroll_store import UnrollStore
+from learner.training.trainer import stack_unrolls
 from seedrl.codec import EnvStep
 from seedrl.specs import TensorSpec
 from tests.test_unroll_store import observe_and_append

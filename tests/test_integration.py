@@ -23,18 +23,31 @@ import numpy as np
 import pytest
 
 from envs import counting
-from learner.unroll_store import Unroll
+from learner.data.unroll_store import Unroll
 from tests.fleet import LearnerThread, free_port, learner_config, spawn_actor, wait_until
 
 ENV = "counting:v0"
 
 
 class Collector:
-    """Drains the learner's unroll queue (no trainer runs in these tests)."""
+    """Drains the learner's unroll queue (no trainer runs in these tests), naming each
+    unroll's actor and run. Make it before any actor connects: it learns the names as
+    the learner accepts each stream."""
 
     def __init__(self, fleet: LearnerThread):
         self.fleet = fleet
         self.unrolls: list[tuple[str, str, Unroll]] = []
+        self._names: dict[int, tuple[str, str]] = {}  # stream owner -> (actor id, run id)
+        service = fleet.learner.service
+        accept = service._accept
+
+        async def accept_and_name(context):
+            actor = await accept(context)
+            if actor is not None:
+                self._names[actor.owner] = (actor.actor_id, actor.run_id)
+            return actor
+
+        service._accept = accept_and_name
 
     def drain_until(self, condition, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -46,7 +59,7 @@ class Collector:
                 unroll = learner.unrolls.get(timeout=0.1)
             except queue.Empty:
                 continue
-            actor_id, run_id = learner.service.history[unroll.owner]
+            actor_id, run_id = self._names[unroll.owner]
             self.unrolls.append((actor_id, run_id, unroll))
 
     def count(self, actor_id: str, run_id: str | None = None) -> int:

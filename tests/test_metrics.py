@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from learner.metrics import MetricsLogger, format_duration
-from learner.stats import LearnerStats
+from learner.telemetry.metrics import MetricsLogger, format_duration
+from learner.telemetry.stats import LearnerStats
 
 
 @pytest.mark.parametrize(
@@ -19,7 +19,7 @@ def test_durations_read_compactly(seconds, text):
 
 def test_record_and_console_line(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("learner.metrics.time.time", lambda: clock[0])
+    monkeypatch.setattr("learner.telemetry.metrics.time.time", lambda: clock[0])
     stats = LearnerStats()
     logger = MetricsLogger(
         str(tmp_path / "metrics.jsonl"), stats, frames_per_step=4, total_env_steps=10_000

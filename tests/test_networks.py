@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from learner.networks import NatureCNN, make_network
+from learner.agents.networks import NatureCNN, make_network
 
 OBSERVATION_SHAPE = (4, 84, 84)
 

@@ -1,4 +1,4 @@
-"""learner.ops.onednn_conv: the policy's convolutions on oneDNN through XLA's FFI.
+"""learner.backends.cpu.onednn_conv: the policy's convolutions on oneDNN through XLA's FFI.
 
 The native library is built when the package is installed (hatch_build.py);
 on Linux x86_64 these tests require it, so a build that silently failed
@@ -20,10 +20,10 @@ import pytest
 from jax import lax
 
 import hatch_build
-from learner import networks
-from learner.agents.vtrace import learning
-from learner.ops import onednn_conv
-from learner.ops.onednn_conv import conv_bias_relu, for_inference
+from learner.agents import networks
+from learner.backends.cpu import onednn_conv
+from learner.backends.cpu.onednn_conv import conv_bias_relu, for_inference
+from learner.inference import policy as policy_fns
 
 BUILT_HERE = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_library = pytest.mark.skipif(not BUILT_HERE, reason="oneDNN's wheels are Linux x86_64 only")
@@ -250,14 +250,14 @@ def test_the_policy_uses_it_and_the_train_step_does_not():
     network = networks.ActorCritic(networks.NatureCNN(), num_actions=6)
     frames = jnp.asarray(np.random.default_rng(1).integers(0, 256, (16, 4, 84, 84), np.uint8))
     params = network.init(jax.random.PRNGKey(0), frames[:1])
-    policy = learning.make_policy_fn(network.apply)
+    policy = policy_fns.make_policy_fn(network.apply)
     key = jax.random.PRNGKey(7)
     assert policy.lower(params, frames, key).as_text().count(onednn_conv.TARGET) == 3
     step, _ = policy(params, frames, key)
     # The same draws from the network's logits on XLA's kernels.
     logits = network.apply(params, frames).logits
     _, sample_key = jax.random.split(key)
-    want = learning._sample(logits, sample_key)
+    want = policy_fns._sample(logits, sample_key)
     np.testing.assert_array_equal(step.actions, want.actions)
     np.testing.assert_allclose(step.log_probs, want.log_probs, rtol=1e-5, atol=1e-6)
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from envs import memory
-from learner.agents.vtrace import learning
-from learner.config import preset_for
-from learner.networks import FORGET_BIAS, _forget_bias, init_params, make_network
-from learner.trainer import stack_unrolls
+from learner.agents.networks import FORGET_BIAS, _forget_bias, init_params, make_network
+from learner.inference import policy as policy_fns
+from learner.presets import preset_for
+from learner.training.trainer import stack_unrolls
 from tests.fleet import (
     ROOT,
     LearnerThread,
@@ -109,7 +109,7 @@ def test_each_slot_keeps_its_own_core_state_across_batches(max_temp_bytes):
     )
     rows_traced: list[int] = []
     apply = traced_rows(network.apply, rows_traced, axis=1)  # observations are [T=1, N, ...]
-    policy = learning.make_recurrent_policy_fn(apply, max_temp_bytes)
+    policy = policy_fns.make_recurrent_policy_fn(apply, max_temp_bytes)
     states = np.zeros((capacity, 2, 8), np.float32)
     starts = np.zeros_like(states)
     slots = np.array([6, 1, 3, 0, 4], np.int32)  # env e lives in slot slots[e]

@@ -3,7 +3,7 @@
 A real learner (not served), its own CartPole envs and its untrained parameters,
 whose greedy policy holds the pole for tens of steps at most; the fleet's
 episodes are written into its counters as the actors' would be. The learner
-asks `_return_reached` every 0.25 s while it serves; here the test asks, and
+asks its `return_stop.reason()` every 0.25 s while it serves; here the test asks, and
 waits for a check's play to finish where the learner would ask again later.
 """
 
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from learner import checkpoint
 from learner.agents.vtrace import learning
-from learner.config import preset_for
 from learner.learner import Learner
+from learner.presets import preset_for
+from learner.training import checkpoint
 from tests.fleet import wait_until
 
 ENV = "classic:CartPole-v1"
@@ -44,16 +44,16 @@ def make_learner(tmp_path):
 
     yield make
     for learner in made:
-        if learner._stop_check is not None:
-            learner._stop_check.close()
+        if learner.return_stop.check is not None:
+            learner.return_stop.check.close()
 
 
 def ask(learner: Learner) -> str:
     """The learner's verdict on --stop-at-return; a check it starts is played to the end
     before this returns (the verdict on it comes at the next ask)."""
-    reason = learner._return_reached()
-    if learner._stop_check is not None:
-        learner._stop_check.wait(timeout_s=120)
+    reason = learner.return_stop.reason()
+    if learner.return_stop.check is not None:
+        learner.return_stop.check.wait(timeout_s=120)
     return reason
 
 
@@ -68,7 +68,7 @@ def fleet_played(learner: Learner, episodes: int, episode_return: float) -> None
 
 
 def test_the_fleets_mean_alone_does_not_stop_a_policy_that_falls_short(make_learner, caplog):
-    caplog.set_level(logging.INFO, logger="learner.learner")
+    caplog.set_level(logging.INFO, logger="learner.training.stop_check")
     learner = make_learner(target=475, episodes=4)
     fleet_played(learner, 99, 500.0)
     assert ask(learner) == "" and ask(learner) == ""  # fewer than 100 episodes: no check
@@ -119,7 +119,7 @@ def test_a_passing_check_ends_the_run_with_the_state_it_checked(make_learner, ca
     """Training goes on while a check plays; a run stopped by the check ends with the
     state the check played, and a checkpoint of a later update is discarded, so the
     run's newest checkpoint is the policy that passed."""
-    caplog.set_level(logging.INFO, logger="learner.learner")
+    caplog.set_level(logging.INFO, logger="learner.training.stop_check")
     learner = make_learner(target=5, episodes=4)
     checked = trained_to(learner, 3)
     fleet_played(learner, 100, 10.0)
@@ -128,7 +128,7 @@ def test_a_passing_check_ends_the_run_with_the_state_it_checked(make_learner, ca
     learner.trainer.save_checkpoint()
     wait_until(lambda: checkpoint.available(learner.run_dir) == [8], 60, "update 8's checkpoint")
     assert "parameters of update 3 averaged" in ask(learner)
-    learner._end_with_checked(learner._checked)  # as the learner's shutdown does
+    learner.return_stop.end_with_checked(learner.trainer)  # as the learner's shutdown does
     assert caplog.messages[-1] == (
         "the run ends with the checked state of update 3: the 5 updates trained while "
         "the check played are dropped"
@@ -144,7 +144,7 @@ def test_a_passing_check_ends_the_run_with_the_state_it_checked(make_learner, ca
 
 
 def test_a_check_that_passes_after_the_fleets_mean_fell_back_does_not_stop(make_learner, caplog):
-    caplog.set_level(logging.INFO, logger="learner.learner")
+    caplog.set_level(logging.INFO, logger="learner.training.stop_check")
     learner = make_learner(target=5, episodes=4)
     fleet_played(learner, 100, 10.0)
     assert ask(learner) == ""  # the check starts with the mean at 10
@@ -159,7 +159,7 @@ def test_a_check_that_passes_after_the_fleets_mean_fell_back_does_not_stop(make_
 
 def test_without_the_check_the_fleets_mean_decides(make_learner):
     learner = make_learner(target=475, episodes=0)
-    assert learner._stop_check is None
+    assert learner.return_stop.check is None
     fleet_played(learner, 100, 480.0)
     assert ask(learner) == "mean return 480.00 of the last 100 episodes reached 475"
     assert checks(learner) == (0, None)
@@ -167,31 +167,31 @@ def test_without_the_check_the_fleets_mean_decides(make_learner):
 
 def test_closing_ends_a_check_that_is_playing(make_learner):
     learner = make_learner(target=475, episodes=20)
-    check = learner._stop_check
+    check = learner.return_stop.check
     params, version = learner.parameters.latest()
     check.start(params, version)
     # Stops the play within a step, then closes the envs: no episode ends (the first step
     # compiles the policy, and an episode of CartPole takes at least 8).
     check.close()
     assert check.finished() == (version, [])
-    learner._stop_check = None  # closed already
+    learner.return_stop.check = None  # closed already
 
 
 @pytest.mark.parametrize("episodes", [1, 20])
 def test_a_check_plays_exactly_its_episodes(make_learner, episodes):
     learner = make_learner(target=475, episodes=episodes)
     params, _ = learner.parameters.latest()
-    returns = learner._stop_check.play(params)
+    returns = learner.return_stop.check.play(params)
     assert len(returns) == episodes and all(r > 0 for r in returns)
 
 
 def test_the_learners_compile_warms_the_checks_policy_for_its_play(make_learner):
     learner = make_learner(target=475, episodes=20)
-    player = learner._stop_check._player
+    player = learner.return_stop.check._player
     assert player._act._cache_size() == 0
     learner.compile()
     compiled = player._act._cache_size()
     assert compiled >= 1
     params, _ = learner.parameters.latest()
-    learner._stop_check.play(params)
+    learner.return_stop.check.play(params)
     assert player._act._cache_size() == compiled  # the play ran what compile had compiled

@@ -1,4 +1,4 @@
-"""learner.ops.strided_conv: lax's values and gradients, without a dilated convolution."""
+"""learner.backends.cpu.strided_conv: lax's values and gradients, without a dilated convolution."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from learner.ops.strided_conv import conv_general_dilated
+from learner.backends.cpu.strided_conv import conv_general_dilated
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from learner import checkpoint
-from learner.stats import LearnerStats
-from learner.telemetry import TENSORBOARD_TAGS, ActorTable, Telemetry, actor_name
+from learner.telemetry.server import TENSORBOARD_TAGS, ActorTable, Telemetry, actor_name
+from learner.telemetry.stats import LearnerStats
+from learner.training import checkpoint
 from tests.fleet import (
     ROOT,
     LearnerThread,
@@ -129,7 +129,7 @@ def fake_stream(owner, actor_id, pid, num_envs, steps, connected_at, last_seen):
 
 def test_actor_table_sums_an_actors_streams_and_measures_its_rate(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("learner.telemetry.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("learner.telemetry.server.time.monotonic", lambda: clock[0])
     streams = {
         1: fake_stream(1, "a/0", 7, 4, steps=50, connected_at=90.0, last_seen=99.5),
         2: fake_stream(2, "a/1", 7, 4, steps=50, connected_at=90.0, last_seen=98.0),
@@ -184,7 +184,7 @@ def test_readiness_follows_the_learners_serving(tmp_path):
 
 
 def test_chart_history_keeps_the_whole_run_when_thinned(tmp_path, monkeypatch):
-    monkeypatch.setattr("learner.telemetry.HISTORY_POINTS", 10)
+    monkeypatch.setattr("learner.telemetry.server.HISTORY_POINTS", 10)
     telemetry = offline_telemetry(tmp_path, tensorboard=False)
     for index in range(25):
         telemetry.publish(

@@ -10,10 +10,10 @@ import time
 import numpy as np
 
 from learner.agents.vtrace.learning import TrainState
-from learner.inference import ParameterSource
-from learner.stats import LearnerStats
-from learner.trainer import NonFiniteLoss, Trainer, stack_unrolls
-from learner.unroll_store import Unroll
+from learner.data.unroll_store import Unroll
+from learner.inference.loop import ParameterSource
+from learner.telemetry.stats import LearnerStats
+from learner.training.trainer import NonFiniteLoss, Trainer, stack_unrolls
 from tests.fleet import wait_until
 
 

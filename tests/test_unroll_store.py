@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner.unroll_store import UnrollStore
+from learner.data.unroll_store import UnrollStore
 from seedrl.codec import EnvStep
 from seedrl.specs import TensorSpec
 

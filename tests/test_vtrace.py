@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from learner.ops.vtrace import vtrace
+from learner.agents.vtrace.returns import vtrace
 
 jax.config.update("jax_enable_x64", False)
 

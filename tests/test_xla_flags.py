@@ -1,4 +1,4 @@
-"""learner.xla_flags: merging with the user's XLA_FLAGS, and the flag's effect on XLA:CPU."""
+"""learner.backends.cpu.xla_flags: merging with the user's XLA_FLAGS, and the flag's effect on XLA:CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from learner import xla_flags
+from learner.backends.cpu import xla_flags
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
 
@@ -38,7 +38,8 @@ def test_apply_twice_adds_nothing_more(monkeypatch):
 # placed each convolution: in a YNNPACK fusion or as XLA's own op.
 PROBE = textwrap.dedent(
     """
-    import learner  # applies the learner's flags
+    from learner.backends.cpu import xla_flags
+    xla_flags.apply()
     import jax, jax.numpy as jnp
     from jax import lax
 

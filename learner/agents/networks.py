@@ -1,0 +1,337 @@
+"""Torsos and the actor-critic head, in flax.
+
+Image observations arrive as the actors send them: uint8 [B, C, H, W] with the
+stacked frames as channels (ale-py's layout). They are scaled to [0, 1] and
+moved to channels-last, the layout XLA's convolutions prefer, inside the
+network, so the wire and the unroll store keep the compact uint8 form.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from learner.backends.cpu.onednn_conv import conv_bias_relu
+
+NetworkName = Literal["nature_cnn", "compact_cnn", "impala_resnet", "smm_cnn", "mlp"]
+CONV_RELU_TORSOS: tuple[NetworkName, ...] = ("nature_cnn", "compact_cnn", "smm_cnn")
+"""The torsos whose convolutions are `_ConvReLU`s: on oneDNN in the policy on a CPU."""
+
+
+def _images_to_float(observations: jax.Array) -> jax.Array:
+    """uint8 [B, C, H, W] -> float32 [B, H, W, C] in [0, 1]."""
+    return jnp.transpose(observations.astype(jnp.float32) / 255.0, (0, 2, 3, 1))
+
+
+# Orthogonal kernels with ReLU's gain of sqrt 2 (Saxe et al.; PPO's Atari torso): each
+# layer keeps the scale of its input, where LeCun's variance halves it at every ReLU
+# layer. Atari frames share most of their pixels between states, so a torso's units
+# differ between states by a few percent of their mean; Adam's first steps move every
+# bias by about the learning rate whatever its gradient, and a torso that starts three
+# times smaller can have every unit switched off for every state in its first minute,
+# after which it outputs a constant and never learns (docs/learning.md).
+# A Python float: a jax value here would start JAX's backend at import, before the entry
+# points choose the CPU device count.
+_relu_init = nn.initializers.orthogonal(math.sqrt(2.0))
+
+
+class _ConvReLU(nn.Module):
+    """relu(nn.Conv(padding="VALID")(x)) as one op, with nn.Conv's parameters.
+
+    The parameters have nn.Conv's names and shapes, so checkpoints keep the
+    tree they had with nn.Conv; the kernel starts as `_relu_init`. The op
+    (backends/cpu/onednn_conv.py) runs on oneDNN in the policy on a CPU and otherwise as
+    lax's convolution, strided layers taking their input gradient through
+    space-to-depth (backends/cpu/strided_conv.py).
+    """
+
+    features: int
+    kernel_size: tuple[int, int]
+    strides: tuple[int, int]
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = (*self.kernel_size, x.shape[-1], self.features)
+        kernel = self.param("kernel", _relu_init, shape, jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        return conv_bias_relu(x, kernel, bias, self.strides)
+
+
+def _nature_layers(x: jax.Array, hidden_size: int) -> jax.Array:
+    """The DQN layers on float [B, H, W, C]; called inside a module's compact __call__."""
+    # Named as nn.Conv layers were, so checkpoints keep their parameter tree.
+    x = _ConvReLU(32, (8, 8), (4, 4), name="Conv_0")(x)
+    x = _ConvReLU(64, (4, 4), (2, 2), name="Conv_1")(x)
+    x = _ConvReLU(64, (3, 3), (1, 1), name="Conv_2")(x)
+    x = x.reshape(x.shape[0], -1)
+    return nn.relu(nn.Dense(hidden_size, kernel_init=_relu_init)(x))
+
+
+class NatureCNN(nn.Module):
+    """The DQN torso of Mnih et al. 2015: three convolutions and a 512-unit layer."""
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        return _nature_layers(_images_to_float(observations), hidden_size=512)
+
+
+class CompactCNN(nn.Module):
+    """Two strided convolutions (16 of 4x4/2, 32 of 4x4/2) and a 256-unit layer.
+
+    Sized for 42x42 frames (atari:GAME/42x42), where it costs about a quarter
+    of the Nature CNN's update at 84x84: on a CPU the update's arithmetic
+    decides how many frames a minute trains on.
+    """
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        x = _images_to_float(observations)
+        x = _ConvReLU(16, (4, 4), (2, 2), name="Conv_0")(x)
+        x = _ConvReLU(32, (4, 4), (2, 2), name="Conv_1")(x)
+        x = x.reshape(x.shape[0], -1)
+        return nn.relu(nn.Dense(256, kernel_init=_relu_init)(x))
+
+
+class _ResidualBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(x))
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(y))
+        return x + y
+
+
+class ImpalaResNet(nn.Module):
+    """The deep torso of the IMPALA paper (figure 3, right): 15 convolutions."""
+
+    channels: Sequence[int] = (16, 32, 32)
+    hidden_size: int = 256
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        x = _images_to_float(observations)
+        for channels in self.channels:
+            x = nn.Conv(channels, (3, 3))(x)
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+            x = _ResidualBlock(channels)(x)
+            x = _ResidualBlock(channels)(x)
+        x = nn.relu(x).reshape(x.shape[0], -1)
+        return nn.relu(nn.Dense(self.hidden_size)(x))
+
+
+def _unpack_bits(packed: jax.Array) -> jax.Array:
+    """uint8 [B, H, W, C/8] packed planes (plane c at bit c % 8) -> float32 [B, H, W, C]."""
+    bits = jnp.arange(8, dtype=jnp.uint8)
+    planes = (packed[..., None] >> bits) & jnp.uint8(1)
+    return planes.reshape(*packed.shape[:-1], packed.shape[-1] * 8).astype(jnp.float32)
+
+
+class SMMCNN(nn.Module):
+    """A small CNN for Google Research Football's super mini-map.
+
+    Input: the 72x96 binary planes (4 per step, 4 steps) as packed bits, uint8
+    [B, 72, 96, 2], unpacked here: the wire and the unroll store carry 8x fewer
+    bytes than the planes. Nature-CNN shaped (three convolutions, one dense
+    layer) so that it trains at env speed on CPU; `impala_resnet` is SEED's
+    deeper choice on accelerators.
+    """
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        return _nature_layers(_unpack_bits(observations), hidden_size=256)
+
+
+class MLP(nn.Module):
+    """A torso for vector observations [B, D] (any float or int dtype)."""
+
+    hidden_sizes: Sequence[int] = (64, 64)
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> jax.Array:
+        x = observations.reshape(observations.shape[0], -1).astype(jnp.float32)
+        for size in self.hidden_sizes:
+            x = nn.tanh(nn.Dense(size)(x))
+        return x
+
+
+class PolicyOutput(NamedTuple):
+    logits: jax.Array
+    """[B, num_actions] unnormalised log-probabilities."""
+    values: jax.Array
+    """[B] state values V(x)."""
+
+
+class ActorCritic(nn.Module):
+    """A torso followed by a policy head and a value head.
+
+    With `value_torso`, the value head has a torso of its own. Vector tasks
+    use that: their unclipped returns make value gradients far larger than
+    policy gradients, and a shared torso would be shaped by the value alone.
+    """
+
+    torso: nn.Module
+    num_actions: int
+    value_torso: nn.Module | None = None
+
+    @nn.compact
+    def __call__(self, observations: jax.Array) -> PolicyOutput:
+        features = self.torso(observations)
+        value_features = features if self.value_torso is None else self.value_torso(observations)
+        # Small initial logits: the first policy is near uniform.
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(features)
+        values = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(value_features)
+        return PolicyOutput(logits=logits, values=values[:, 0])
+
+
+class _ResettingLSTM(nn.Module):
+    """One LSTM step whose state is zeroed first where an episode starts."""
+
+    size: int
+
+    @nn.compact
+    def __call__(self, state: jax.Array, inputs: tuple[jax.Array, jax.Array]):
+        features, first = inputs
+        state = jnp.where(first[:, None, None], 0.0, state)
+        (c, h), out = nn.OptimizedLSTMCell(self.size)((state[:, 0], state[:, 1]), features)
+        return jnp.stack([c, h], axis=1), out
+
+
+class RecurrentActorCritic(nn.Module):
+    """A torso, an LSTM core, and the policy and value heads (SEED's and IMPALA's agent).
+
+    The core state is one array [B, 2, size] (the LSTM's c and h). It is
+    zeroed where an observation starts an episode (`first`), so an env's
+    memory never crosses episodes, whatever state came in.
+    """
+
+    torso: nn.Module
+    num_actions: int
+    core_size: int
+
+    @nn.compact
+    def __call__(
+        self, observations: jax.Array, first: jax.Array, state: jax.Array
+    ) -> tuple[PolicyOutput, jax.Array]:
+        """observations [T, B, ...], first bool [T, B], state [B, 2, size] ->
+        (PolicyOutput with [T, B] leading dimensions, the state after step T-1)."""
+        steps, batch = first.shape
+        features = self.torso(observations.reshape(steps * batch, *observations.shape[2:]))
+        features = features.reshape(steps, batch, -1)
+        core = nn.scan(
+            _ResettingLSTM,
+            variable_broadcast="params",
+            split_rngs={"params": False},
+            in_axes=0,
+            out_axes=0,
+        )(self.core_size)
+        state, outputs = core(state, (features, first))
+        logits = nn.Dense(self.num_actions, kernel_init=nn.initializers.orthogonal(0.01))(outputs)
+        values = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(outputs)
+        return PolicyOutput(logits=logits, values=values[..., 0]), state
+
+    def initial_state(self, batch: int) -> jax.Array:
+        return jnp.zeros((batch, *core_state_shape(self.core_size)), jnp.float32)
+
+
+def core_state_shape(core_size: int) -> tuple[int, int]:
+    """One env's core state: the LSTM's c and h."""
+    return (2, core_size)
+
+
+FORGET_BIAS = 1.0
+"""The LSTM's forget-gate bias at initialisation, as Keras's LSTM cell (SEED's agent) starts
+it, where flax's starts at 0: the gate starts mostly open (sigmoid(1) = 0.73 instead of 0.5),
+so what the cell holds fades over tens of steps instead of a few, and the gradient reaches
+the step that wrote it (docs/architecture.md, "Recurrent agents")."""
+
+
+def _forget_bias(params, value: float):
+    """`params` with `value` added to every LSTM forget gate's bias (flax names it hf)."""
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict(
+        {path: leaf + value if path[-2:] == ("hf", "bias") else leaf for path, leaf in flat.items()}
+    )
+
+
+def init_params(
+    network: ActorCritic | RecurrentActorCritic, key: jax.Array, observation: jax.Array
+) -> dict:
+    """The network's initial parameters from one example observation [1, ...] (a recurrent
+    network takes it as one step of one env, with its first flag and zero state)."""
+    if isinstance(network, RecurrentActorCritic):
+        first = jnp.ones((1, 1), jnp.bool_)
+        params = network.init(key, observation[None], first, network.initial_state(1))
+        return _forget_bias(params, FORGET_BIAS)
+    return network.init(key, observation)
+
+
+class NetworkMismatch(ValueError):
+    """A network that cannot read the env's observations, with what would."""
+
+
+# Smallest height and width the DQN layers take (8x8/4, 4x4/2, 3x3/1, all VALID).
+_NATURE_MIN_SIZE = 36
+# ... and the compact torso's (4x4/2 twice, VALID).
+_COMPACT_MIN_SIZE = 10
+
+
+def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> None:
+    """Raises NetworkMismatch when network `name` cannot take observations dtype[shape]
+    (one observation, no batch dimension), saying which network fits instead."""
+    observation = f"{dtype}[{','.join(map(str, shape))}]"
+    if name == "mlp":
+        return
+    if name in ("nature_cnn", "compact_cnn", "impala_resnet"):
+        wanted = "uint8 images [C, H, W] (stacked frames as channels)"
+        minimum = {"nature_cnn": _NATURE_MIN_SIZE, "compact_cnn": _COMPACT_MIN_SIZE}.get(name, 1)
+        fits = dtype == "uint8" and len(shape) == 3 and min(shape[1:]) >= minimum
+    elif name == "smm_cnn":
+        wanted = "football's packed mini-map, uint8 [H, W, planes/8]"
+        fits = dtype == "uint8" and len(shape) == 3 and min(shape[:2]) >= _NATURE_MIN_SIZE
+    else:
+        return  # not a network of ours: make_network names the choices
+    if fits:
+        return
+    if len(shape) == 1:
+        hint = "mlp"
+    elif dtype == "uint8" and len(shape) == 3 and shape[-1] < shape[0]:
+        hint = "smm_cnn"  # channels last: the packed mini-map
+    elif dtype == "uint8" and len(shape) == 3:
+        hint = "nature_cnn, compact_cnn or impala_resnet"
+    else:
+        hint = "mlp (it flattens any observation)"
+    raise NetworkMismatch(
+        f"--network {name} takes {wanted}, but this env's observations are {observation}; "
+        f"use --network {hint}"
+    )
+
+
+def make_network(
+    name: NetworkName,
+    num_actions: int,
+    mlp_hidden_sizes: Sequence[int] = (64, 64),
+    lstm_size: int = 0,
+) -> ActorCritic | RecurrentActorCritic:
+    """The torso `name` and the heads; with `lstm_size`, an LSTM core between them."""
+    hidden = tuple(mlp_hidden_sizes)
+    torsos = {
+        "nature_cnn": NatureCNN,
+        "compact_cnn": CompactCNN,
+        "impala_resnet": ImpalaResNet,
+        "smm_cnn": SMMCNN,
+        "mlp": lambda: MLP(hidden),
+    }
+    if name not in torsos:
+        raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
+    if lstm_size:
+        return RecurrentActorCritic(torsos[name](), num_actions, lstm_size)
+    # The feed-forward mlp has a value torso of its own (see ActorCritic).
+    value_torso = MLP(hidden) if name == "mlp" else None
+    return ActorCritic(torso=torsos[name](), num_actions=num_actions, value_torso=value_torso)

@@ -1,0 +1,1 @@
+"""Where and how the learner computes: its devices, and what a CPU needs of its own."""

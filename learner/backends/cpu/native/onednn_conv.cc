@@ -1,0 +1,271 @@
+// A 2-D convolution with bias and optional ReLU on oneDNN, as an XLA:CPU FFI call.
+//
+// Used by the policy on a CPU (learner/backends/cpu/onednn_conv.py): jaxlib 0.10.2 runs
+// convolutions on Eigen's kernels, which trail oneDNN's on the Nature CNN at
+// the batches inference serves (docs/benchmarks.md, case e). The batch is cut
+// into one slice per thread of XLA's intra-op pool, and each slice runs a
+// single-threaded oneDNN primitive; so the call uses XLA's own threads and
+// oneDNN's OpenMP team never starts.
+//
+// Layouts: input NHWC, kernel HWIO, output NHWC, all float32, row-major.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+extern "C" void omp_set_num_threads(int);  // libgomp, which libdnnl links
+
+namespace ffi = xla::ffi;
+using dnnl::memory;
+
+namespace {
+
+struct Geometry {
+  memory::dim rows, height, width, channels, kernel_h, kernel_w, features, out_h, out_w;
+  memory::dim stride_h, stride_w, pad_top, pad_bottom, pad_left, pad_right;
+  bool relu;
+
+  std::string Key() const {
+    std::string key;
+    for (memory::dim v : {rows, height, width, channels, kernel_h, kernel_w, features, out_h,
+                          out_w, stride_h, stride_w, pad_top, pad_bottom, pad_left, pad_right,
+                          static_cast<memory::dim>(relu)}) {
+      key += std::to_string(v);
+      key += ',';
+    }
+    return key;
+  }
+};
+
+// The first 64-byte boundary in `buffer`, grown to hold `bytes` from there: oneDNN's
+// kernels read and write whole cache lines.
+void* Aligned(std::vector<char>& buffer, size_t bytes) {
+  constexpr size_t kAlign = 64;
+  buffer.resize(bytes + kAlign);
+  auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + (kAlign - address % kAlign) % kAlign;
+}
+
+// One compiled primitive for one geometry, and the reorder of HWIO kernels into
+// the layout it chose.
+struct Primitive {
+  dnnl::convolution_forward convolution;
+  dnnl::reorder kernel_reorder;
+  memory::desc input, output, bias, user_kernel, kernel, scratchpad, reorder_scratchpad;
+};
+
+dnnl::engine& Engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// oneDNN sizes a primitive's work for the threads of the thread that creates and
+// runs it; every thread that touches oneDNN here asks for one.
+void SingleThreaded() {
+  thread_local bool done = false;
+  if (!done) {
+    omp_set_num_threads(1);
+    done = true;
+  }
+}
+
+const Primitive& Compiled(const Geometry& g) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::unique_ptr<Primitive>> cache;
+  const std::string key = g.Key();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return *found->second;
+  const auto f32 = memory::data_type::f32;
+  // oneDNN names dimensions in NCHW order whatever the layout in memory.
+  memory::desc input({g.rows, g.channels, g.height, g.width}, f32, memory::format_tag::nhwc);
+  memory::desc output({g.rows, g.features, g.out_h, g.out_w}, f32, memory::format_tag::nhwc);
+  memory::desc bias({g.features}, f32, memory::format_tag::a);
+  memory::dims kernel_dims = {g.features, g.channels, g.kernel_h, g.kernel_w};
+  memory::desc user_kernel(kernel_dims, f32, memory::format_tag::hwio);
+  memory::desc any_kernel(kernel_dims, f32, memory::format_tag::any);
+  dnnl::primitive_attr attr;
+  // The caller passes each slice its own scratchpad: slices run at once.
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (g.relu) {
+    dnnl::post_ops ops;
+    ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+    attr.set_post_ops(ops);
+  }
+  dnnl::convolution_forward::primitive_desc desc(
+      Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, input,
+      any_kernel, bias, output, {g.stride_h, g.stride_w}, {g.pad_top, g.pad_left},
+      {g.pad_bottom, g.pad_right}, attr);
+  // The reorder too may run on two threads at once (two calls of the policy).
+  dnnl::primitive_attr reorder_attr;
+  reorder_attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::reorder::primitive_desc reorder(Engine(), user_kernel, Engine(), desc.weights_desc(),
+                                        reorder_attr);
+  auto made = std::make_unique<Primitive>(Primitive{
+      dnnl::convolution_forward(desc), dnnl::reorder(reorder), input, output, bias, user_kernel,
+      desc.weights_desc(), desc.scratchpad_desc(), reorder.scratchpad_desc()});
+  const Primitive& result = *made;
+  cache.emplace(key, std::move(made));
+  return result;
+}
+
+// Slices handed out to whichever thread asks next: the calling thread takes
+// slices too, so the call finishes even if no pool thread is free to help.
+struct Slices {
+  explicit Slices(int count, std::function<void(int)> run) : count(count), run(std::move(run)) {}
+
+  void Work() {
+    for (int i; (i = next.fetch_add(1)) < count;) {
+      try {
+        run(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!error) error = std::current_exception();
+      }
+      if (finished.fetch_add(1) + 1 == count) {
+        std::lock_guard<std::mutex> lock(mutex);
+        done.notify_all();
+      }
+    }
+  }
+
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    done.wait(lock, [this] { return finished.load() == count; });
+  }
+
+  const int count;
+  const std::function<void(int)> run;
+  std::atomic<int> next{0};
+  std::atomic<int> finished{0};
+  std::mutex mutex;
+  std::condition_variable done;
+  std::exception_ptr error;
+};
+
+ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
+                    ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y, int64_t stride_h,
+                    int64_t stride_w, int64_t pad_top, int64_t pad_bottom, int64_t pad_left,
+                    int64_t pad_right, bool relu) {
+  const auto xd = x.dimensions(), kd = kernel.dimensions(), yd = y->dimensions();
+  if (xd.size() != 4 || kd.size() != 4 || yd.size() != 4 || bias.dimensions().size() != 1 ||
+      kd[2] != xd[3] || kd[3] != yd[3] || bias.dimensions()[0] != kd[3] || yd[0] != xd[0]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "seedrl_onednn_conv: expects NHWC input, HWIO kernel, [O] bias, NHWC output");
+  }
+  const Geometry whole{xd[0],    xd[1],      xd[2],   xd[3],      kd[0],     kd[1],
+                       kd[3],    yd[1],      yd[2],   stride_h,   stride_w,  pad_top,
+                       pad_bottom, pad_left, pad_right, relu};
+  if (whole.rows == 0) return ffi::Error::Success();
+  try {
+    // The calling thread is XLA's; it keeps OpenMP single-threaded from here on.
+    SingleThreaded();
+    const int threads = std::max<int64_t>(1, pool.num_threads());
+    const int count = static_cast<int>(std::min<int64_t>(threads, whole.rows));
+    // Slice i has `base` rows, one more for the first `extra`: at most two geometries.
+    const memory::dim base = whole.rows / count, extra = whole.rows % count;
+    std::vector<const Primitive*> primitives(count);
+    for (int i = 0; i < count; ++i) {
+      Geometry g = whole;
+      g.rows = base + (i < extra ? 1 : 0);
+      primitives[i] = &Compiled(g);
+    }
+    // The kernel in the layout each primitive chose, reordered once per call per layout.
+    thread_local dnnl::stream stream(Engine());
+    thread_local std::vector<std::vector<char>> kernel_copies;
+    std::vector<memory::desc> layouts;
+    std::vector<void*> copies;
+    std::vector<memory> kernels(count);
+    memory user_kernel(primitives[0]->user_kernel, Engine(), kernel.typed_data());
+    for (int i = 0; i < count; ++i) {
+      size_t slot = 0;
+      while (slot < layouts.size() && !(layouts[slot] == primitives[i]->kernel)) ++slot;
+      if (slot == layouts.size()) {
+        layouts.push_back(primitives[i]->kernel);
+        if (kernel_copies.size() <= slot) kernel_copies.resize(slot + 1);
+        copies.push_back(Aligned(kernel_copies[slot], primitives[i]->kernel.get_size()));
+        memory copy(primitives[i]->kernel, Engine(), copies[slot]);
+        thread_local std::vector<char> reorder_scratchpad;
+        const memory::desc& pad_desc = primitives[i]->reorder_scratchpad;
+        memory pad(pad_desc, Engine(), Aligned(reorder_scratchpad, pad_desc.get_size()));
+        primitives[i]->kernel_reorder.execute(
+            stream, {{DNNL_ARG_FROM, user_kernel}, {DNNL_ARG_TO, copy}, {DNNL_ARG_SCRATCHPAD, pad}});
+      }
+      kernels[i] = memory(primitives[i]->kernel, Engine(), copies[slot]);
+    }
+    stream.wait();
+
+    const float* in = x.typed_data();
+    float* out = y->typed_data();
+    const int64_t in_row = whole.height * whole.width * whole.channels;
+    const int64_t out_row = whole.out_h * whole.out_w * whole.features;
+    auto run = [&, in, out](int i) {
+      SingleThreaded();
+      thread_local dnnl::stream slice_stream(Engine());
+      thread_local std::vector<char> scratchpad;
+      const Primitive& p = *primitives[i];
+      const int64_t start = i * base + std::min<int64_t>(i, extra);
+      memory src(p.input, Engine(), const_cast<float*>(in + start * in_row));
+      memory dst(p.output, Engine(), out + start * out_row);
+      memory b(p.bias, Engine(), bias.typed_data());
+      memory pad(p.scratchpad, Engine(), Aligned(scratchpad, p.scratchpad.get_size()));
+      p.convolution.execute(slice_stream, {{DNNL_ARG_SRC, src},
+                                           {DNNL_ARG_WEIGHTS, kernels[i]},
+                                           {DNNL_ARG_BIAS, b},
+                                           {DNNL_ARG_DST, dst},
+                                           {DNNL_ARG_SCRATCHPAD, pad}});
+      slice_stream.wait();
+    };
+    if (count == 1) {
+      run(0);
+      return ffi::Error::Success();
+    }
+    // Shared with the pool's tasks, which may start after this call has returned
+    // (when this thread took every slice); they then find nothing to do.
+    auto slices = std::make_shared<Slices>(count, run);
+    try {
+      for (int i = 1; i < count; ++i) pool.Schedule([slices] { slices->Work(); });
+    } catch (...) {
+      // Tasks already queued read this frame: finish every slice before leaving.
+      slices->Work();
+      slices->Wait();
+      throw;
+    }
+    slices->Work();
+    slices->Wait();
+    if (slices->error) std::rethrow_exception(slices->error);
+  } catch (const dnnl::error& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("seedrl_onednn_conv: ") + e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string("seedrl_onednn_conv: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SeedrlOnednnConv, Convolve,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("stride_h")
+                                  .Attr<int64_t>("stride_w")
+                                  .Attr<int64_t>("pad_top")
+                                  .Attr<int64_t>("pad_bottom")
+                                  .Attr<int64_t>("pad_left")
+                                  .Attr<int64_t>("pad_right")
+                                  .Attr<bool>("relu"));

@@ -1,0 +1,210 @@
+"""The policy's convolutions on oneDNN on a CPU, through an XLA FFI call.
+
+jaxlib 0.10.2 (the newest for Python 3.11) runs CPU convolutions on Eigen's
+kernels, which trail oneDNN's (PyTorch's) on the Nature CNN at the batches
+inference serves: the policy read 0.95-0.99x PyTorch at batches 16 and 64
+(docs/benchmarks.md, case e). jaxlib 0.12 can hand convolutions to oneDNN
+itself, but needs Python 3.12. Until then `native/onednn_conv.cc`, built when
+the package is installed (hatch_build.py), does it: a convolution with its
+bias and ReLU in one oneDNN primitive, the batch cut into one slice per
+thread of XLA's intra-op pool, each slice single-threaded, so the call runs
+on XLA's own threads.
+
+Only the policy uses it (`for_inference`): the train step's convolutions, at
+hundreds of rows with their gradients, are faster on Eigen (case e). A batch
+of one row stays on Eigen too, where oneDNN is no faster. Off a CPU, without
+the native library (another platform, no compiler at install), or with
+SEEDRL_ONEDNN=0, every convolution is lax's, with the same results to
+float32 rounding.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import contextvars
+import ctypes
+import functools
+import importlib.metadata
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from learner.backends.cpu.strided_conv import LAYOUT, conv_general_dilated
+
+log = logging.getLogger(__name__)
+
+TARGET = "seedrl_onednn_conv"
+LIBRARY = Path(__file__).parent / "native" / "libseedrl_onednn.so"
+"""Built from native/onednn_conv.cc by hatch_build.py when the package is installed."""
+ONEDNN_DISTRIBUTION = "onednn-cpu-gomp"
+MIN_ROWS = 2
+"""Fewer rows run on Eigen: at one row the oneDNN call is no faster."""
+DISABLE_VARIABLE = "SEEDRL_ONEDNN"
+"""Set to 0 to keep every convolution on XLA's own kernels."""
+
+Pads = tuple[tuple[int, int], ...]
+
+_for_inference: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "seedrl_onednn_for_inference", default=False
+)
+
+
+def _libdnnl() -> Path:
+    """libdnnl.so.3 as the onednn-cpu-gomp wheel installed it (under the environment's lib/)."""
+    files = importlib.metadata.distribution(ONEDNN_DISTRIBUTION).files or []
+    for file in files:
+        if file.name == "libdnnl.so.3":
+            return Path(file.locate()).resolve()
+    raise FileNotFoundError(f"{ONEDNN_DISTRIBUTION} lists no libdnnl.so.3")
+
+
+@functools.cache
+def _register() -> None:
+    # Global, so that the FFI library's own reference to libdnnl.so.3 resolves to it.
+    ctypes.CDLL(str(_libdnnl()), mode=ctypes.RTLD_GLOBAL)
+    library = ctypes.CDLL(str(LIBRARY))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SeedrlOnednnConv), platform="cpu")
+
+
+def _self_check() -> None:
+    """One small call against lax's convolution: a library that loads but computes
+    wrong, or fails when called, is refused here rather than in the policy."""
+    rng = np.random.default_rng(0)
+    cpu = jax.devices("cpu")[0]
+    arrays = [
+        jax.device_put(rng.standard_normal(shape, dtype=np.float32), cpu)
+        for shape in ((3, 9, 9, 4), (4, 4, 4, 8), (8,))
+    ]
+    args = ((2, 2), ((1, 0), (0, 1)), True)
+    got = np.asarray(jax.jit(lambda *a: _ffi(*a, *args))(*arrays))
+    want = np.asarray(jax.jit(lambda *a: _reference(*a, *args))(*arrays))
+    error = float(np.max(np.abs(got - want)))
+    if not error <= 1e-4:
+        raise RuntimeError(f"differs from lax's convolution by {error}")
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the oneDNN convolution cannot be used in this process, or None when it can.
+
+    The first call loads the libraries, registers the FFI target with XLA and
+    checks one small call against lax's convolution.
+    """
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return f"{DISABLE_VARIABLE}=0"
+    if not LIBRARY.exists():
+        return f"{LIBRARY.name} was not built (see hatch_build.py)"
+    try:
+        _register()
+        # On a thread of its own: JAX's tracing state is per thread, and this is
+        # usually first asked while a policy is being traced.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(_self_check).result()
+    except Exception as error:
+        reason = f"{LIBRARY.name} is not usable: {type(error).__name__}: {error}"
+        log.warning("the policy's convolutions stay on XLA's kernels: %s", reason)
+        return reason
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+@contextlib.contextmanager
+def for_inference(enabled: bool = True) -> Iterator[None]:
+    """While tracing inside it, `conv_bias_relu` may use oneDNN (on a CPU, when built).
+
+    It is read when a function is traced, so enter it inside the jitted function
+    (as learning.py's policies do): around a call of a function jitted already,
+    it changes nothing, whichever way that function was first traced.
+    """
+    token = _for_inference.set(enabled)
+    try:
+        yield
+    finally:
+        _for_inference.reset(token)
+
+
+def _reference(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
+    y = conv_general_dilated(x, kernel, strides, pads, dimension_numbers=LAYOUT) + bias
+    return jax.nn.relu(y) if relu else y
+
+
+def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
+    (sh, sw), ((top, bottom), (left, right)) = strides, pads
+    # The result's shape is lax's for the same convolution.
+    out = jax.eval_shape(lambda *a: _reference(*a, strides, pads, relu), x, kernel, bias)
+    # Rows are independent: a vmapped call runs once per mapped element.
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
+        x,
+        kernel,
+        bias,
+        stride_h=np.int64(sh),
+        stride_w=np.int64(sw),
+        pad_top=np.int64(top),
+        pad_bottom=np.int64(bottom),
+        pad_left=np.int64(left),
+        pad_right=np.int64(right),
+        relu=bool(relu),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _on_onednn(x, kernel, bias, strides, pads, relu) -> jax.Array:
+    return _ffi(x, kernel, bias, strides, pads, relu)
+
+
+def _on_onednn_forward(x, kernel, bias, strides, pads, relu):
+    return _ffi(x, kernel, bias, strides, pads, relu), (x, kernel, bias)
+
+
+def _on_onednn_backward(strides, pads, relu, residuals, grad):
+    # The policy takes no gradients; should anything differentiate it, lax's gradient.
+    _, vjp = jax.vjp(lambda *args: _reference(*args, strides, pads, relu), *residuals)
+    return vjp(grad)
+
+
+_on_onednn.defvjp(_on_onednn_forward, _on_onednn_backward)
+
+
+def conv_bias_relu(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array,
+    strides: tuple[int, int],
+    pads: Pads = ((0, 0), (0, 0)),
+    relu: bool = True,
+) -> jax.Array:
+    """relu(conv(x, kernel) + bias): NHWC x HWIO -> NHWC, explicit non-negative `pads`.
+
+    On oneDNN where `for_inference` is on, the program runs on a CPU, the arrays
+    are float32, the batch has at least MIN_ROWS rows and the library is
+    available; otherwise lax's convolution (`strided_conv.conv_general_dilated`).
+    """
+    strides = (int(strides[0]), int(strides[1]))
+    pads = tuple((int(low), int(high)) for low, high in pads)
+    reference = functools.partial(_reference, strides=strides, pads=pads, relu=relu)
+    eligible = (
+        _for_inference.get()
+        and x.ndim == 4
+        and x.shape[0] >= MIN_ROWS
+        and all(a.dtype == jnp.float32 for a in (x, kernel, bias))
+        and available()
+    )
+    if not eligible:
+        return reference(x, kernel, bias)
+    return lax.platform_dependent(
+        x,
+        kernel,
+        bias,
+        cpu=lambda *args: _on_onednn(*args, strides, pads, relu),
+        default=reference,
+    )

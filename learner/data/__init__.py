@@ -1,0 +1,1 @@
+"""What the learner keeps of the streams: the unroll store, frame stacks, training rewards."""

@@ -1,0 +1,1 @@
+"""Acting: the inference loop over the batcher's requests, and playing parameters on envs of its own."""

@@ -1,0 +1,1 @@
+"""The gRPC side: the actor streams and the dynamic batcher (no jax)."""

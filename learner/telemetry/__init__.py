@@ -1,0 +1,1 @@
+"""What a run reports: stats, metrics.jsonl, TensorBoard event files, the HTTP page and /metrics."""

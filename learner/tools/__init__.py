@@ -1,0 +1,1 @@
+"""Programs around a learner: seedrl-eval, the plots, a learner on a background thread."""

@@ -1,0 +1,258 @@
+"""seedrl-eval: plays a run's trained agent, with no learner server, and reports returns.
+
+    seedrl-eval --run-dir runs/classic-CartPole-v1-... --episodes 20
+    seedrl-eval --run-dir RUN --checkpoint 1200 --episodes 5 --sample --video pong.mp4
+
+The run directory gives the env and the network (config.json) and the
+parameters (checkpoints/, the newest unless --checkpoint names an update).
+Episodes are spread evenly over the parallel envs, each env playing its own
+quota, so short episodes are not over-counted. Actions are the policy's most
+likely ones unless --sample draws them from it. The result is printed as a
+table and, on the last line of stdout, as one JSON object (also written to
+--json FILE). --video records the first episode of env 0 as an MP4 (needs
+the `eval` extra: scripts/setup.sh --eval).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from learner.inference.player import MAX_ENVS, Player
+
+logger = logging.getLogger("seedrl-eval")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Plays a trained agent from a run directory and reports its returns."""
+
+    run_dir: str
+    """The learner's run directory (with config.json and checkpoints/)."""
+    checkpoint: int | None = None
+    """Update count of the checkpoint to load (see RUN_DIR/checkpoints); None: the newest."""
+    episodes: int = 10
+    """Episodes to play."""
+    num_envs: int = 0
+    """Envs played in parallel; 0: min(episodes, MAX_ENVS = 8)."""
+    sample: bool = False
+    """Sample actions from the policy instead of taking the most likely one."""
+    epsilon: float = 0.0
+    """With this probability a uniform random action instead of the most likely one (Atari's
+    evaluation protocols use 0.001-0.05); ignored with --sample."""
+    seed: int = 1_000_003
+    """Seed of the envs and of action sampling (distinct from training's seeds)."""
+    video: str = ""
+    """Write an MP4 of the first episode of env 0 to this path."""
+    video_fps: int = 0
+    """Frames per second of the video; 0: the env's own rate."""
+    json: str = ""
+    """Also write the result as JSON to this file."""
+
+    def __post_init__(self) -> None:
+        if self.episodes < 1:
+            raise ValueError("episodes must be at least 1")
+        if self.num_envs < 0:
+            raise ValueError("num_envs must not be negative")
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError("epsilon must be within [0, 1]")
+        if self.video_fps < 0:
+            raise ValueError("video_fps must not be negative")
+
+
+@dataclasses.dataclass
+class EvalResult:
+    env: str
+    checkpoint_updates: int
+    checkpoint_env_steps: int | None
+    policy: str
+    returns: list[float]
+    lengths: list[int]
+    seconds: float
+    video: str | None
+
+    def summary(self) -> dict[str, Any]:
+        n = len(self.returns)
+        mean = sum(self.returns) / n
+        std = math.sqrt(sum((r - mean) ** 2 for r in self.returns) / n)
+        return {
+            "env": self.env,
+            "checkpoint_updates": self.checkpoint_updates,
+            "checkpoint_env_steps": self.checkpoint_env_steps,
+            "policy": self.policy,
+            "episodes": n,
+            "mean": round(mean, 4),
+            "std": round(std, 4),
+            "min": min(self.returns),
+            "max": max(self.returns),
+            "mean_length": round(sum(self.lengths) / n, 1),
+            "returns": self.returns,
+            "lengths": self.lengths,
+            "seconds": round(self.seconds, 2),
+            "video": self.video,
+        }
+
+
+def _run_config(run_dir: str) -> dict[str, Any]:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise SystemExit(
+            f"seedrl-eval: {path} not found: is {run_dir!r} a learner's run directory?"
+        )
+    with open(path) as file:
+        return json.load(file)
+
+
+class VideoWriter:
+    """Frames to an MP4 (H.264, yuv420p) through imageio-ffmpeg's bundled ffmpeg."""
+
+    def __init__(self, path: str, fps: int):
+        try:
+            import imageio_ffmpeg
+        except ImportError as error:
+            raise SystemExit(
+                "seedrl-eval: --video needs imageio-ffmpeg: scripts/setup.sh --eval "
+                "(or pip install 'seedrl[eval]')"
+            ) from error
+        self._module = imageio_ffmpeg
+        self.path = path
+        self._fps = fps
+        self._writer: Any = None
+        self.frames = 0
+
+    def add(self, frame: Any) -> None:
+        if self._writer is None:
+            height, width = frame.shape[:2]
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._writer = self._module.write_frames(
+                self.path,
+                (width, height),
+                fps=self._fps,
+                codec="libx264",
+                pix_fmt_out="yuv420p",
+                macro_block_size=2,
+                quality=7,
+                ffmpeg_log_level="error",
+            )
+            self._writer.send(None)  # starts ffmpeg
+        self._writer.send(frame.tobytes())
+        self.frames += 1
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def evaluate(config: EvalConfig) -> EvalResult:
+    import jax
+    import numpy as np
+
+    from envs import registry
+    from learner.agents.networks import init_params, make_network
+    from learner.training import checkpoint
+
+    run = _run_config(config.run_dir)
+    env_id = run["env"]
+    num_envs = config.num_envs or min(config.episodes, MAX_ENVS)
+    num_envs = min(num_envs, config.episodes)
+    options: dict[str, Any] = {}
+    if config.video:
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # gymnasium's pygame renderer
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+        os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+        options["render"] = True
+    try:
+        env = registry.make(env_id, num_envs, seed=config.seed, **options)
+    except TypeError as error:
+        raise SystemExit(f"seedrl-eval: {env_id} cannot render a video ({error})") from error
+    spec = env.spec
+    lstm_size = int(run.get("lstm_size", 0))
+    network = make_network(
+        run.get("network", "nature_cnn"),
+        spec.action.num_actions,
+        tuple(run.get("mlp_hidden_sizes", (64, 64))),
+        lstm_size,
+    )
+    model_observation = spec.model_observation
+    example = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
+    try:
+        params, meta = checkpoint.load_params(
+            config.run_dir, init_params(network, jax.random.key(0), example), config.checkpoint
+        )
+    except checkpoint.NoCheckpointError as error:
+        env.close()
+        raise SystemExit(f"seedrl-eval: {error}") from error
+
+    video = None
+    if config.video:
+        fps = config.video_fps or int(getattr(env, "render_fps", 30))
+        video = VideoWriter(config.video, fps)
+    started = time.perf_counter()
+    try:
+        player = Player(network, spec, lstm_size, config.sample, config.epsilon)
+        returns, lengths = player.play(env, params, config.episodes, config.seed, video)
+    finally:
+        env.close()
+        if video is not None:
+            video.close()
+    return EvalResult(
+        env=env_id,
+        checkpoint_updates=int(meta.get("updates", -1)),
+        checkpoint_env_steps=meta.get("env_steps"),
+        policy=player.policy,
+        returns=returns,
+        lengths=lengths,
+        seconds=time.perf_counter() - started,
+        video=os.path.abspath(config.video) if config.video else None,
+    )
+
+
+def table(summary: dict[str, Any]) -> str:
+    header = f"{'episodes':>8} {'mean':>10} {'std':>10} {'min':>10} {'max':>10} {'length':>8}"
+    row = (
+        f"{summary['episodes']:>8} {summary['mean']:>10.2f} {summary['std']:>10.2f} "
+        f"{summary['min']:>10.2f} {summary['max']:>10.2f} {summary['mean_length']:>8.1f}"
+    )
+    steps = summary["checkpoint_env_steps"]
+    title = (
+        f"{summary['env']}: checkpoint of update {summary['checkpoint_updates']}"
+        + (f" ({steps:,} env steps)" if steps is not None else "")
+        + f", {summary['policy']} actions, {summary['seconds']:.1f} s"
+    )
+    lines = [title, header, row]
+    if summary["video"]:
+        lines.append(f"video of the first episode: {summary['video']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import tyro
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = tyro.cli(EvalConfig, args=argv, prog="seedrl-eval")
+    except ValueError as error:
+        raise SystemExit(f"seedrl-eval: {error}") from error
+    from learner.backends.cpu import xla_flags
+
+    xla_flags.apply()  # before JAX starts
+
+    summary = evaluate(config).summary()
+    print(table(summary))
+    if config.json:
+        with open(config.json, "w") as file:
+            json.dump(summary, file, indent=2)
+    print(json.dumps(summary), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The trainer thread, its checkpoints, and the stop at a checked return."""

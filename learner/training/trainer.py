@@ -1,0 +1,336 @@
+"""The trainer thread: unrolls in, one jitted V-trace update per batch, parameters out."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from learner.agents.vtrace.learning import Params, TrainState, Trajectories
+from learner.backends.cpu.host_arrays import aligned_empty
+from learner.backends.devices import Placement
+from learner.data.frame_stack import frame_indices
+from learner.data.unroll_store import Unroll
+from learner.inference.loop import ParameterSource
+from learner.telemetry.stats import LearnerStats
+from learner.training.checkpoint import Checkpointer
+
+logger = logging.getLogger(__name__)
+
+
+def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
+    """B unrolls of [T+1] steps -> time-major [T+1, B] trajectories, and their policy versions.
+
+    With frame stacking (unrolls of T+S frames) the observations stay frames,
+    [T+S, B, ...], and `frame_index` says which make each step's stack.
+    """
+
+    def stack(field: str) -> np.ndarray:
+        arrays = [getattr(unroll, field) for unroll in unrolls]
+        first = arrays[0]
+        # Aligned, so that a CPU's update reads the batch in place (learner/backends/cpu/host_arrays.py).
+        out = aligned_empty((first.shape[0], len(arrays), *first.shape[1:]), first.dtype)
+        return np.stack(arrays, axis=1, out=out)
+
+    frame_stack = len(unrolls[0].observations) - len(unrolls[0].actions) + 1
+    recurrent = unrolls[0].core_state is not None
+    first = stack("first") if recurrent or frame_stack > 1 else None
+    trajectories = Trajectories(
+        # The steps' own flags: the last of each step's frames.
+        first=first[frame_stack - 1 :] if recurrent else None,
+        # Already on the device: stacked there, [1, B, ...] (the batch on axis 1).
+        core_state=jnp.stack([unroll.core_state for unroll in unrolls])[None]
+        if recurrent
+        else None,
+        observations=stack("observations"),
+        frame_index=None if frame_stack == 1 else frame_indices(first, frame_stack),
+        actions=stack("actions"),
+        behaviour_log_probs=stack("behaviour_log_probs"),
+        rewards=stack("rewards"),
+        terminated=stack("terminated"),
+        truncated=stack("truncated"),
+    )
+    return trajectories, stack("policy_versions")
+
+
+def minibatch_columns(batch_size: int, minibatches: int) -> list[slice]:
+    """The columns (unrolls) of each of `minibatches` equal minibatches of a batch."""
+    size = batch_size // minibatches
+    return [slice(index * size, (index + 1) * size) for index in range(minibatches)]
+
+
+class NonFiniteLoss(RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
+class Trainer:
+    def __init__(
+        self,
+        update_fn: Callable,
+        state: TrainState,
+        unrolls: queue.Queue,
+        batch_size: int,
+        parameters: ParameterSource,
+        stats: LearnerStats,
+        learning_rate: Callable[[int], float],
+        on_failure: Callable[[BaseException], None],
+        placement: Placement | None = None,
+        recycle: Callable[[list[Unroll]], None] | None = None,
+        checkpointer: Checkpointer | None = None,
+        checkpoint_meta: Callable[[], dict] | None = None,
+        max_nonfinite_updates: int = 10,
+        batch_passes: int = 1,
+        minibatches: int = 1,
+        finite_check: Callable[[Params, Trajectories, jax.Array], jax.Array] | None = None,
+        end_streams: Callable[[list[int], str], None] | None = None,
+    ):
+        """`batch_size` is this process's share of the batch; `placement` the devices it
+        is trained on (default: one); `recycle` takes back the unrolls of each batch once
+        it is stacked; `checkpointer` saves the state between updates when one is due,
+        with the counters and whatever `checkpoint_meta` adds; after
+        `max_nonfinite_updates` skipped (non-finite) updates in a row the trainer fails
+        with NonFiniteLoss. Each batch is cut into `minibatches` along B and trained on
+        `batch_passes` times, an update per minibatch and pass.
+
+        With `finite_check` (learning.make_finite_check_fn) a skipped update is checked
+        unroll by unroll: the streams whose unroll alone is not finite, while the
+        parameters are finite on other data, go to `end_streams` (their owners, and why),
+        and such a skip is theirs, not counted toward the limit, which stands for the
+        model itself diverging."""
+        self._batch_passes = batch_passes
+        self._minibatches = minibatches
+        self.state = state
+        self._checkpointer = checkpointer
+        self._checkpoint_meta = checkpoint_meta
+        self._max_nonfinite = max_nonfinite_updates
+        self._finite_check = finite_check
+        self._reference: Trajectories | None = None
+        """One unroll of the last minibatch whose update was finite (on the host)."""
+        self._end_streams = end_streams
+        self._nonfinite_in_a_row = 0
+        self._recycle = recycle
+        self._update_fn = update_fn
+        self._unrolls = unrolls
+        self._batch_size = batch_size
+        self._placement = placement or Placement(jax.local_devices()[:1])
+        self._agree_to_stop = self._placement.agree_to_stop()
+        self._stop_requested = threading.Event()
+        self.agreed_stop = threading.Event()
+        self._parameters = parameters
+        self._stats = stats
+        self._learning_rate = learning_rate
+        self._on_failure = on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+
+    def warm_up(self, example: Trajectories) -> None:
+        """Compiles the update on a batch of the right shapes (the result is discarded)."""
+        batch = self._placement.put_batch(example)
+        jax.block_until_ready(self._update_fn(self.state, batch))
+
+    @property
+    def coordinated(self) -> bool:
+        """Whether other learner processes train in step with this one (multi-host)."""
+        return self._placement.process_count > 1
+
+    def request_stop(self) -> None:
+        """Multi-host: stop after the update at which every process agrees to (the others may
+        be waiting in an all-reduce for this one's share); `agreed_stop` is set then."""
+        self._stop_requested.set()
+
+    def join(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _next_batch(self) -> list[Unroll] | None:
+        """B unrolls, or None once asked to stop (even while unrolls keep coming); the
+        unrolls of a batch left unfinished go back to `recycle`."""
+        batch: list[Unroll] = []
+        while len(batch) < self._batch_size:
+            if self._stop.is_set():
+                if self.coordinated:
+                    logger.warning(
+                        "this learner process stops outside an agreed update; the others "
+                        "wait for its share of the batch until they are stopped too"
+                    )
+                if batch and self._recycle is not None:
+                    self._recycle(batch)  # their frame buffers return to the store
+                return None
+            try:
+                batch.append(self._unrolls.get(timeout=0.1))
+            except queue.Empty:
+                continue
+        return batch
+
+    def _run(self) -> None:
+        try:
+            while True:
+                waited = time.perf_counter()
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                started = time.perf_counter()
+                self._stats.add_time("trainer_waiting", started - waited)
+                self._train(batch)
+                self._stats.add_time("training", time.perf_counter() - started)
+                if self._checkpointer is not None and self._checkpointer.due():
+                    self.save_checkpoint()
+                if self.coordinated and self._agree_to_stop(self._stop_requested.is_set()):
+                    logger.info(
+                        "the learner processes agreed to stop after update %d",
+                        int(self.state.updates),
+                    )
+                    self.agreed_stop.set()
+                    return
+        except NonFiniteLoss as error:
+            logger.error("the trainer stops: %s", error)
+            self._on_failure(error)
+        except BaseException as error:
+            logger.exception("the trainer failed")
+            self._on_failure(error)
+
+    def save_checkpoint(self) -> None:
+        """Saves the current state (between updates: from the trainer's thread, or once
+        it has stopped); nothing before the first update or twice for one update."""
+        if self._checkpointer is None or int(self.state.updates) == 0:
+            return
+        counters = self._stats.counters()
+        meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"]}
+        if self._checkpoint_meta is not None:
+            meta.update(self._checkpoint_meta())
+        params, opt_state = self.state.params, self.state.opt_state
+        if self.coordinated:
+            # Arrays spanning processes: this process's replica, as host arrays.
+            params, opt_state = jax.device_get(self._placement.local_copy((params, opt_state)))
+        self._checkpointer.save(int(self.state.updates), params, opt_state, meta)
+
+    def _skip(self, metrics: dict[str, float], minibatch: Trajectories, owners: list[int]) -> None:
+        """An update whose loss or gradient was not finite: nothing of it was applied.
+
+        `minibatch` is its batch on the host, `owners` the streams of its unrolls."""
+        self._stats.count_skipped_update()
+        update = int(self.state.updates) + 1
+        culprits = self._culprits(minibatch, owners)
+        if culprits:
+            logger.warning(
+                "update %d skipped: loss %s, gradient norm %s; the data of stream(s) %s alone "
+                "makes it so: they end",
+                update,
+                metrics["loss"],
+                metrics["grad_norm"],
+                culprits,
+            )
+            assert self._end_streams is not None
+            self._end_streams(culprits, f"the data of this stream made update {update} non-finite")
+            return
+        self._nonfinite_in_a_row += 1
+        logger.warning(
+            "update %d skipped: loss %s, gradient norm %s (%d in a row; the limit is %d)",
+            update,
+            metrics["loss"],
+            metrics["grad_norm"],
+            self._nonfinite_in_a_row,
+            self._max_nonfinite,
+        )
+        if self._nonfinite_in_a_row >= self._max_nonfinite:
+            raise NonFiniteLoss(
+                f"{self._nonfinite_in_a_row} updates in a row had a non-finite loss or "
+                f"gradient; the state of update {int(self.state.updates)}, the last good one, "
+                "is checkpointed. Lower --learning-rate or check the inputs."
+            )
+
+    def _culprits(self, minibatch: Trajectories, owners: list[int]) -> list[int]:
+        """The streams (owners) whose unroll of `minibatch` alone has a non-finite loss or
+        gradient under the current parameters, while the parameters are sound: on other
+        unrolls, or else on an unroll of the last update that was finite, they are finite.
+        [] without a check, or when no unroll is to blame (the model itself diverged)."""
+        if self._finite_check is None or self._end_streams is None:
+            return []
+        params = self._placement.local_copy(self.state.params)
+
+        def finite(batch: Trajectories) -> bool:
+            return bool(self._finite_check(params, batch, self.state.updates))
+
+        failing = [
+            owner
+            for column, owner in enumerate(owners)
+            if not finite(jax.tree.map(lambda x, c=column: x[:, c : c + 1], minibatch))
+        ]
+        sound = len(failing) < len(owners) or (
+            self._reference is not None and finite(self._reference)
+        )
+        return sorted(set(failing)) if sound else []
+
+    def roll_back(self, state: TrainState) -> None:
+        """Makes `state`, of an earlier update, the trainer's (once it has stopped), and
+        discards any checkpoint of a later update, so the run's newest checkpoint is
+        the next one saved."""
+        self.state = state
+        if self._checkpointer is not None:
+            self._checkpointer.discard_after(int(state.updates))
+
+    def close_checkpoints(self) -> None:
+        """Waits for checkpoints being written (call once the trainer has stopped)."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+
+    def _train(self, batch: list[Unroll]) -> None:
+        trajectories, versions = stack_unrolls(batch)
+        owners = [unroll.owner for unroll in batch]
+        if self._recycle is not None:
+            self._recycle(batch)  # stacked: nothing refers to them any more
+        parts = minibatch_columns(trajectories.actions.shape[1], self._minibatches)
+        minibatches = [
+            jax.tree.map(lambda x, c=columns: x[:, c], trajectories) for columns in parts
+        ]
+        on_device = [
+            (self._placement.put_batch(minibatch), versions[:, columns], owners[columns], minibatch)
+            for minibatch, columns in zip(minibatches, parts, strict=True)
+        ]
+        for _ in range(self._batch_passes):
+            for minibatch, *rest in on_device:
+                self._step(minibatch, *rest)
+
+    def _step(
+        self,
+        batch: Trajectories,
+        versions: np.ndarray,
+        owners: list[int],
+        on_host: Trajectories,
+    ) -> None:
+        """One update on `batch` (on the device; `on_host` on the host), whose unrolls
+        `versions` acted and `owners` sent."""
+        version = int(self.state.updates)
+        self.state, metrics = self._update_fn(self.state, batch)
+        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        if not metrics.pop("finite"):
+            self._skip(metrics, on_host, owners)
+            return
+        if self._finite_check is not None:
+            self._reference = jax.tree.map(lambda x: x[:, :1], on_host)
+        self._nonfinite_in_a_row = 0
+        new_version = version + 1
+        self._parameters.publish(
+            self._placement.local_copy(self.state.params), new_version, self.state
+        )
+        metrics["learning_rate"] = float(self._learning_rate(version))
+        # Lag: updates between the parameters that acted and those that learnt from it.
+        lag = version - versions[:-1]
+        metrics["policy_lag"] = float(lag.mean())
+        self._stats.add("policy_lag_max", float(lag.max()))
+        self._stats.add_many(metrics)
+        self._stats.set_updates(new_version)
