@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from envs import football, registry
-from learner.config import preset_for
-from learner.networks import _unpack_bits, make_network
+from learner.agents.networks import _unpack_bits, make_network
+from learner.presets import preset_for
 from tests.fleet import (
     LearnerThread,
     learner_argv,
@@ -244,29 +244,21 @@ def test_academy_empty_goal_close_is_learned_within_1m_env_steps(tmp_path):
     policy's 0.15 goals per episode to a 100-episode mean of 0.5 or more, which 20 greedy
     episodes of the parameters of that moment reach too (the sampling fleet can score
     while the most likely action does not), and which the run ends with."""
-    from tests.test_learning import read_metrics, run_eval, run_learner
+    from tests.test_learning import read_metrics, run_eval, train
 
-    learner, port = run_learner(
+    train(
         tmp_path,
-        "--env",
         EMPTY_GOAL,
+        2,
+        8,
         "--total-env-steps",
         "1000000",
         "--stop-at-return",
         "0.5",
         "--stop-eval-episodes",
         "20",
+        timeout_s=4800,
     )
-    actors = [
-        spawn_actor(f"127.0.0.1:{port}", EMPTY_GOAL, 8, f"football-{i}", tmp_path) for i in range(2)
-    ]
-    try:
-        assert learner.wait(timeout=4800) == 0, (tmp_path / "learner.log").read_text()[-3000:]
-        assert [actor.wait(timeout_s=120) for actor in actors] == [0, 0]
-    finally:
-        learner.kill()
-        for actor in actors:
-            actor.kill()
     records = read_metrics(tmp_path)
     last = records[-1]
     print(
