@@ -4,8 +4,10 @@
 #        (python -m bench --help lists every option)
 #        scripts/bench.sh learn [--games Pong Breakout ...] [--time-limit-min M] ...
 #        (minutes to a score with the README's train command: python -m bench.learn --help)
+#        scripts/bench.sh attacks [--window-s S] [--attacks NAME ...]
+#        (a training learner under hostile peers, an honest actor beside it)
 # Prints a table per case; writes DIR/results.json and PNG plots (default DIR:
-# runs/bench-TIMESTAMP). About 11-14 minutes on 2 cores by default (13.2 at 133497f).
+# runs/bench-TIMESTAMP). About 11-14 minutes on 2 cores by default.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -13,6 +15,10 @@ scripts/setup.sh --bench
 if [ "${1:-}" = learn ]; then
   shift
   exec .venv/bin/python -m bench.learn "$@"
+fi
+if [ "${1:-}" = attacks ]; then
+  shift
+  exec .venv/bin/python -m bench.attacks "$@"
 fi
 # PyTorch is case (e)'s yardstick only, never a dependency of seedrl: it goes into
 # .venv beside the locked packages when pip can find it, and (e) says so when not.

@@ -377,7 +377,7 @@ def test_trivial_rows_end_with_messages_that_fill_a_batch_four_times_the_presets
         own_core_configuration,
         trivial_configurations,
     )
-    from learner.config import preset_for
+    from learner.presets import preset_for
 
     preset = preset_for("atari:Pong/84x84")
     largest = preset.max_envs_per_stream
@@ -475,3 +475,31 @@ def test_the_mean_interval_is_students_over_the_values():
     for probability, df in ((0.5, 3), (1.0, 3), (0.975, 0)):
         with pytest.raises(ValueError, match="probability"):
             student_t_quantile(probability, df)
+
+
+def test_the_attack_benchmark_runs_every_attack_against_a_training_learner(tmp_path):
+    """`python -m bench.attacks`, every attack for a 2 s window: each report is whole, and
+    the learner trained on through all of them. (The honest actor's rate is the
+    benchmark's figure, not checked here: seconds on a shared machine say little.)"""
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.attacks", "--window-s", "2", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads((tmp_path / "attacks.json").read_text())
+    from bench.attacks import ATTACKS
+
+    assert [row["attack"] for row in report["attacks"]] == list(ATTACKS), completed.stdout
+    for row in report["attacks"]:
+        assert row["learner_running"] and row["honest_actor_running"], row
+        assert row["updates_during"] > 0, row
+        assert row["honest_steps_per_s_undisturbed"] > 0, row
+        assert "attacker failed" not in row["streams_ended"], row
+    ended = {row["attack"]: row["streams_ended"] for row in report["attacks"]}
+    assert set(ended["huge rewards"]) == {"INVALID_ARGUMENT"}
+    assert set(ended["the honest actor's id from elsewhere"]) == {"ALREADY_EXISTS"}
+    assert set(ended["70 MB messages"]) == {"RESOURCE_EXHAUSTED"}
+    assert ended["200 silent hellos of 64 envs"] == {"welcomed, then silent": 200}
+    assert report["stream_errors"]["INVALID_ARGUMENT"] > 0
