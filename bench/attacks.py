@@ -2,8 +2,9 @@
 
 A learner trains on counting:v0 in this process, with the defaults users run
 (no token, every bound and cap at its default). An honest actor process
-steps 4 envs against it. Each attack runs from a process of its own for a
-window, after a window without it; the honest stream's env steps/s in the
+steps 4 envs against it. Each attack runs from a process of its own, at the
+lowest CPU priority (a peer on another machine would not share these
+cores), for a window, after a window without it; the honest stream's env steps/s in the
 two windows give the attack's ratio (a ratio in one run, since the machine
 is noisy). Every attack must leave the learner training (updates go on, it
 never exits) and the honest actor at half its undisturbed rate or more.
@@ -260,6 +261,10 @@ ATTACKS: dict[str, Callable[[str, float], dict]] = {
 
 
 def _attack_main(name: str, address: str, deadline: float, connection) -> None:
+    # The lowest CPU priority: the attacker stands in for a peer on a machine of its own,
+    # so what is measured is what the attack costs the learner, not what the attacker's
+    # own loop takes from the cores it shares here with the learner and the honest actor.
+    os.nice(19)
     try:
         connection.send(ATTACKS[name](address, deadline))
     except BaseException as error:  # reported, not raised: the window goes on

@@ -418,3 +418,34 @@ def test_a_stream_whose_data_makes_updates_non_finite_ends_and_training_goes_on(
     finally:
         actor.kill()
         fleet.stop()
+
+
+def test_silent_streams_do_not_hold_batches_back(served):
+    """Streams that send a hello and nothing more, or one step and then nothing, are not
+    waited for: the batcher counts on the honest actor's stream alone (otherwise every
+    batch waits out the batcher's timeout, and the honest actor's round trips with it)."""
+    service = served.learner.service
+    batcher = served.learner.batcher
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(served.address) as channel:
+            open_stream = channel.stream_stream(STREAM_PATH)
+
+            def silent(actor_id: str, steps: int):
+                yield hello(actor_id=actor_id)
+                yield from [step()] * steps
+                release.wait(30)
+
+            calls = [open_stream(silent(f"silent-{i}", 0), timeout=60) for i in range(20)]
+            calls.append(open_stream(silent("stalled", 1), timeout=60))
+            wait_until(lambda: len(service.streams) == 22, 30, "the silent streams")
+            # The stalled one is counted from its step until it has owed the next for 1 s.
+            wait_until(lambda: batcher.streams == 1, 10, "the batcher to count one stream")
+            assert [s.actor_id for s in service.streams.values() if s.stepping] == ["honest"]
+            release.set()
+            for call in calls:
+                call.cancel()
+        wait_until(lambda: len(service.streams) == 1, 30, "the silent streams to end")
+        assert batcher.streams == 1
+    finally:
+        release.set()

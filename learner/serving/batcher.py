@@ -3,8 +3,9 @@
 Streams submit one request per actor message (K envs). The inference thread
 takes a batch when any of these holds:
   - the pending requests hold `max_batch_envs` envs (full);
-  - every connected stream has a request pending (no one else can come, so
-    waiting longer would only add latency);
+  - every stepping stream has a request pending (no one else can come soon, so
+    waiting longer would only add latency; the server counts a stream from its
+    first step until it stalls);
   - `timeout` has passed since the oldest pending request arrived.
 A batch never splits a request and never exceeds `max_batch_envs` envs.
 """
@@ -63,6 +64,12 @@ class DynamicBatcher:
         self._condition = threading.Condition(threading.Lock())
 
     # -- stream side --------------------------------------------------------
+
+    @property
+    def streams(self) -> int:
+        """The streams a batch may wait for (stream_opened less stream_closed)."""
+        with self._condition:
+            return self._streams
 
     def stream_opened(self) -> None:
         with self._condition:

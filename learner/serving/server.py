@@ -36,6 +36,9 @@ from seedrl.transport import (
 
 logger = logging.getLogger(__name__)
 
+STALL_S = 1.0
+"""A stream that has owed its step this long no longer holds batches back (see
+ActorStream.stepping)."""
 TAKEOVER_S = 10.0
 """A stream that has owed its step this long may be taken over by a hello of its actor id
 from another process (the actor restarted, or its old connection is half-open)."""
@@ -71,6 +74,10 @@ class ActorStream:
     """time.monotonic() of the learner's latest reply: after it, the actor owes a step."""
     task: asyncio.Task | None = None
     idle: bool = False
+    stepping: bool = False
+    """Whether the batcher counts on this stream's next step: from each step it sends
+    until it has owed one for STALL_S, so that streams that are silent (a hello and
+    nothing more, or a stalled actor) do not hold every batch to the batcher's timeout."""
     """Set by the idle watchdog before it cancels the stream's task."""
 
 
@@ -127,13 +134,17 @@ class LearnerService:
         return bool(self._token)
 
     async def watch_idle(self) -> None:
-        """Ends streams that owe a step for longer than the idle timeout (runs forever)."""
-        period = min(5.0, self._idle_timeout_s / 4)
+        """Ends streams that owe a step for longer than the idle timeout, and stops the
+        batcher waiting for those that owe one for longer than STALL_S (runs forever)."""
+        period = min(STALL_S / 2, self._idle_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
             for actor in list(self.streams.values()):
                 owes_step = actor.replied_at > actor.last_seen
+                if owes_step and actor.stepping and now - actor.replied_at > STALL_S:
+                    actor.stepping = False
+                    self._batcher.stream_closed()
                 if owes_step and now - actor.replied_at > self._idle_timeout_s and not actor.idle:
                     actor.idle = True
                     if actor.task is not None:
@@ -271,7 +282,6 @@ class LearnerService:
                 # stream is stale.
                 other.superseded_by = actor.run_id
         self.streams[owner] = actor
-        self._batcher.stream_opened()
         self._stats.stream_change(actors=1, envs=actor.num_envs)
         logger.info(
             "actor %s run %s connected from %s (%s) with %d envs",
@@ -333,6 +343,9 @@ class LearnerService:
                     grpc.StatusCode.INVALID_ARGUMENT, f"step {actor.steps + 1}: {error}"
                 ) from error
             reply = loop.create_future()
+            if not actor.stepping:
+                actor.stepping = True
+                self._batcher.stream_opened()
             self._batcher.submit(
                 InferenceRequest(actor.owner, actor.slots, actor.slot_owners, step, reply)
             )
@@ -390,7 +403,8 @@ class LearnerService:
 
     def _disconnect(self, actor: ActorStream) -> None:
         self.streams.pop(actor.owner, None)
-        self._batcher.stream_closed()
+        if actor.stepping:
+            self._batcher.stream_closed()
         self._stats.count_dropped(*self._store.release(actor.owner, actor.slots))
         self._stats.stream_change(actors=-1, envs=-actor.num_envs)
         logger.info(
