@@ -110,8 +110,8 @@ class Trainer:
         self._checkpoint_meta = checkpoint_meta
         self._max_nonfinite = max_nonfinite_updates
         self._finite_check = finite_check
-        self._reference: Trajectories | None = None
-        """One unroll of the last minibatch whose update was finite (on the host)."""
+        self._last_finite: Trajectories | None = None
+        """The last minibatch whose update was finite (on the host; a reference, no copy)."""
         self._end_streams = end_streams
         self._nonfinite_in_a_row = 0
         self._recycle = recycle
@@ -271,7 +271,8 @@ class Trainer:
             if not finite(jax.tree.map(lambda x, c=column: x[:, c : c + 1], minibatch))
         ]
         sound = len(failing) < len(owners) or (
-            self._reference is not None and finite(self._reference)
+            self._last_finite is not None
+            and finite(jax.tree.map(lambda x: x[:, :1], self._last_finite))
         )
         return sorted(set(failing)) if sound else []
 
@@ -320,8 +321,7 @@ class Trainer:
         if not metrics.pop("finite"):
             self._skip(metrics, on_host, owners)
             return
-        if self._finite_check is not None:
-            self._reference = jax.tree.map(lambda x: x[:, :1], on_host)
+        self._last_finite = on_host
         self._nonfinite_in_a_row = 0
         new_version = version + 1
         self._parameters.publish(
