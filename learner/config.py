@@ -150,6 +150,12 @@ class LearnerConfig:
     minibatches: int = 1
     """Each batch is cut into this many minibatches of B / minibatches unrolls, each a
     gradient step: a batch gives batch_passes x minibatches updates."""
+    batch_update: Literal["auto", "fused", "stepped"] = "auto"
+    """How a batch's batch_passes x minibatches steps reach the device. fused: one call per
+    batch, the new parameters going to inference once it is done; stepped: a call per step,
+    each step's parameters acting at once. auto: stepped on a CPU (XLA:CPU runs one
+    program of many steps slower than the steps one by one), fused elsewhere (a GPU's
+    small steps are bound by what each call costs the host)."""
 
     # -- operation -----------------------------------------------------------
     log_interval_s: float = 5.0

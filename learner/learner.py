@@ -50,6 +50,7 @@ from learner.training import checkpoint
 from learner.training.checkpoint import Checkpointer
 from learner.training.settings import (
     example_trajectories,
+    fused_batch_update,
     learning_rate_schedule,
     loss_settings,
     optimizer_for,
@@ -204,6 +205,16 @@ class Learner:
             minibatches=config.minibatches,
             finite_check=learning.make_finite_check_fn(network.apply, settings),
             end_streams=self.service.end_streams,
+            batch_update_fn=learning.make_batch_update_fn(
+                network.apply,
+                optimizer,
+                settings,
+                self.placement,
+                config.batch_passes,
+                config.minibatches,
+            )
+            if fused_batch_update(config, self.placement)
+            else None,
         )
         self.return_stop = ReturnStop(
             config.stop_at_return,
@@ -255,11 +266,7 @@ class Learner:
         """Compiles inference for every padded batch size, the update, and the policy of
         the check before a stop (--stop-eval-episodes), before serving."""
         self.inference.warm_up()
-        self.trainer.warm_up(
-            example_trajectories(
-                self.config, self.env_spec, self.local_batch // self.config.minibatches
-            )
-        )
+        self.trainer.warm_up(example_trajectories(self.config, self.env_spec, self.local_batch))
         self.return_stop.warm_up(self.parameters.latest()[0])
 
     async def run(self, ready: asyncio.Event | None = None, train: bool = True) -> int:

@@ -75,6 +75,41 @@ def relative(a, b) -> float:
     return (diff / max(norm, 1e-30)) ** 0.5
 
 
+def fused_batch(network, config, optimizer, params, trajectories, count: int) -> dict:
+    """Two passes over two minibatches of the batch in one call on `count` devices, against
+    the same four steps one by one on one device, each on the unrolls minibatch_columns names."""
+    passes, minibatches = 2, 2
+    settings = loss_settings(config)
+    state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+    many = Placement(jax.devices()[:count])
+    fused = learning.make_batch_update_fn(
+        network.apply, optimizer, settings, many, passes, minibatches
+    )
+    fused_state, fused_metrics = fused(many.put_state(state), many.put_batch(trajectories))
+    step = learning.make_update_fn(network.apply, optimizer, settings)
+    stepped, losses = jax.device_put(state, jax.devices()[0]), []
+    batch = trajectories.actions.shape[1]
+    for _ in range(passes):
+        for columns in learning.minibatch_columns(batch, minibatches, count):
+            stepped, metrics = step(
+                stepped, jax.tree.map(lambda x, c=columns: x[:, c], trajectories)
+            )
+            losses.append(float(metrics["loss"]))
+    fused_losses = np.asarray(fused_metrics["loss"])
+    return {
+        "fused_relative": relative(
+            jax.tree.map(
+                lambda new, old: np.asarray(new) - np.asarray(old), fused_state.params, params
+            ),
+            jax.tree.map(
+                lambda new, old: np.asarray(new) - np.asarray(old), stepped.params, params
+            ),
+        ),
+        "fused_loss_relative": float(np.max(np.abs(fused_losses - losses) / np.abs(losses))),
+        "fused_updates": [int(fused_state.updates), int(stepped.updates)],
+    }
+
+
 def main(count: int, network_name: str) -> dict:
     preset = "atari" if network_name == "nature_cnn" else "classic"
     config = PRESETS[preset]
@@ -125,8 +160,12 @@ def main(count: int, network_name: str) -> dict:
             state_devices=len(jax.tree.leaves(new_state.params)[0].devices()),
             updates=int(new_state.updates),
         )
+    results.update(fused_batch(network, config, optimizers["update"], params, trajectories, count))
     one, many = results["one"], results["many"]
     return {
+        "fused_relative": results["fused_relative"],
+        "fused_loss_relative": results["fused_loss_relative"],
+        "fused_updates": results["fused_updates"],
         "collectives": results["collectives"],
         "batch_shards_one": one["batch_shards"],
         "batch_shards_many": many["batch_shards"],

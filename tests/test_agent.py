@@ -139,6 +139,37 @@ def test_updates_fit_the_values_of_a_fixed_batch():
     assert update._cache_size() == 1
 
 
+def test_a_batch_in_one_call_takes_the_same_steps_as_one_by_one():
+    """make_batch_update_fn: 2 passes over 2 minibatches of consecutive unrolls, in the order
+    first, second, first, second, with each step's metrics in that order."""
+    rng = np.random.default_rng(1)
+    step, state = mlp_update()
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
+    fused = learning.make_batch_update_fn(network.apply, optimizer, SETTINGS, None, 2, 2)
+    batch = random_batch(rng)
+    fused_state, fused_metrics = fused(state, batch)
+    columns = learning.minibatch_columns(4, 2)
+    assert [c.tolist() for c in columns] == [[0, 1], [2, 3]]
+    losses = []
+    for index in (0, 1, 0, 1):
+        state, metrics = step(state, jax.tree.map(lambda x, c=columns[index]: x[:, c], batch))
+        losses.append(float(metrics["loss"]))
+    assert int(fused_state.updates) == int(state.updates) == 4
+    np.testing.assert_allclose(fused_metrics["loss"], losses, rtol=1e-5)
+    for fused_leaf, leaf in zip(
+        jax.tree.leaves(fused_state.params), jax.tree.leaves(state.params), strict=True
+    ):
+        np.testing.assert_allclose(fused_leaf, leaf, rtol=1e-4, atol=1e-6)
+
+
+def test_minibatch_columns_follow_the_devices_shares():
+    """On 2 devices each takes half the batch and cuts its own half: minibatch m is the m-th
+    run of each half."""
+    columns = learning.minibatch_columns(8, 2, devices=2)
+    assert [c.tolist() for c in columns] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
 def test_an_update_with_a_nan_leaves_the_state_as_it_was():
     rng = np.random.default_rng(1)
     update, state = mlp_update()

@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 
+from learner.backends.devices import Placement
 from learner.config import LearnerConfig
 from learner.main import parse_cli
 from learner.presets import PRESETS, preset_for
+from learner.training.settings import fused_batch_update
 
 
 def test_the_env_family_picks_the_preset():
@@ -75,3 +78,15 @@ def test_every_field_has_a_flag(capsys):
     help_text = capsys.readouterr().out
     for field in dataclasses.fields(LearnerConfig):
         assert "--" + field.name.replace("_", "-") in help_text
+
+
+def test_batch_update_is_stepped_on_a_cpu_unless_asked():
+    """--batch-update auto trains a CPU's batches step by step (XLA:CPU runs one program of
+    many steps slower) and other devices' in one call; a value names either outright."""
+    cpu = Placement(jax.devices("cpu")[:1])
+    assert not fused_batch_update(parse_cli(["--env", "atari:Pong"]), cpu)
+    assert fused_batch_update(parse_cli(["--env", "atari:Pong", "--batch-update", "fused"]), cpu)
+    stepped = parse_cli(["--env", "atari:Pong", "--batch-update", "stepped"])
+    assert not fused_batch_update(stepped, cpu)
+    with pytest.raises(SystemExit):
+        parse_cli(["--env", "atari:Pong", "--batch-update", "sometimes"])

@@ -213,3 +213,55 @@ def test_minibatches_cut_each_batch_along_its_unrolls():
         minibatches=2,
     )
     assert seen == [[7.0], [9.0], [7.0], [9.0]]
+
+
+class RecordingSource(ParameterSource):
+    def __init__(self):
+        super().__init__({"w": 0}, version=0)
+        self.published: list[int] = []
+
+    def publish(self, params, version, state=None):
+        self.published.append(version)
+        super().publish(params, version, state)
+
+
+def test_a_batch_trained_in_one_call_publishes_its_last_parameters_once():
+    """With batch_update_fn the whole batch goes to one call, which returns each step's
+    metrics: a non-finite step among them is skipped and counted, the others are applied,
+    and the parameters after the last step are published once per batch."""
+    finite = [True, False, True, True]  # 2 passes x 2 minibatches
+    seen: list = []
+
+    def batch_update(state, batch):
+        seen.append(np.asarray(batch.observations)[0, :, 0].tolist())
+        metrics = {
+            "loss": np.where(finite, 0.5, np.nan).astype(np.float32),
+            "grad_norm": np.ones(4, np.float32),
+            "finite": np.array(finite),
+        }
+        applied = sum(finite)
+        return TrainState(state.params, state.opt_state, state.updates + applied), metrics
+
+    unrolls: queue.Queue = queue.Queue()
+    parameters = RecordingSource()
+    failures: list = []
+    trainer = make_trainer(
+        unrolls,
+        parameters,
+        failures,
+        batch_update_fn=batch_update,
+        batch_passes=2,
+        minibatches=2,
+        max_nonfinite_updates=3,
+    )
+    for value in range(4):
+        unrolls.put(unroll(value))
+    trainer.start()
+    try:
+        wait_until(lambda: parameters.version == 6, 30, "two batches")
+    finally:
+        trainer.stop()
+    assert not failures
+    assert seen == [[0.0, 1.0], [2.0, 3.0]]  # whole batches, not minibatches
+    assert parameters.published == [3, 6]
+    assert trainer._stats.counters()["skipped_updates"] == 2

@@ -105,6 +105,13 @@ def example_trajectories(
     )
 
 
+def fused_batch_update(config: LearnerConfig, placement: Placement) -> bool:
+    """Whether each batch trains in one device call (--batch-update)."""
+    if config.batch_update == "auto":
+        return placement.local_devices[0].platform != "cpu"
+    return config.batch_update == "fused"
+
+
 def placement_for(config: LearnerConfig) -> tuple[Placement, int, int]:
     """The training devices and inference's device, the global batch, and the share of it
     this process collects (unrolls)."""

@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from learner.agents.vtrace.learning import Params, TrainState, Trajectories
+from learner.agents.vtrace.learning import (
+    Params,
+    TrainState,
+    Trajectories,
+    minibatch_columns,
+)
 from learner.backends.cpu.host_arrays import aligned_empty
 from learner.backends.devices import Placement
 from learner.data.frame_stack import frame_indices
@@ -59,12 +64,6 @@ def stack_unrolls(unrolls: list[Unroll]) -> tuple[Trajectories, np.ndarray]:
     return trajectories, stack("policy_versions")
 
 
-def minibatch_columns(batch_size: int, minibatches: int) -> list[slice]:
-    """The columns (unrolls) of each of `minibatches` equal minibatches of a batch."""
-    size = batch_size // minibatches
-    return [slice(index * size, (index + 1) * size) for index in range(minibatches)]
-
-
 class NonFiniteLoss(RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient."""
 
@@ -89,6 +88,7 @@ class Trainer:
         minibatches: int = 1,
         finite_check: Callable[[Params, Trajectories, jax.Array], jax.Array] | None = None,
         end_streams: Callable[[list[int], str], None] | None = None,
+        batch_update_fn: Callable | None = None,
     ):
         """`batch_size` is this process's share of the batch; `placement` the devices it
         is trained on (default: one); `recycle` takes back the unrolls of each batch once
@@ -96,7 +96,10 @@ class Trainer:
         with the counters and whatever `checkpoint_meta` adds; after
         `max_nonfinite_updates` skipped (non-finite) updates in a row the trainer fails
         with NonFiniteLoss. Each batch is cut into `minibatches` along B and trained on
-        `batch_passes` times, an update per minibatch and pass.
+        `batch_passes` times, an update per minibatch and pass: `update_fn` (one step) is
+        called for each, and each step's parameters are published; with `batch_update_fn`
+        (learning.make_batch_update_fn) one call trains on the whole batch and its last
+        parameters are published.
 
         With `finite_check` (learning.make_finite_check_fn) a skipped update is checked
         unroll by unroll: the streams whose unroll alone is not finite, while the
@@ -110,12 +113,14 @@ class Trainer:
         self._checkpoint_meta = checkpoint_meta
         self._max_nonfinite = max_nonfinite_updates
         self._finite_check = finite_check
-        self._last_finite: Trajectories | None = None
-        """The last minibatch whose update was finite (on the host; a reference, no copy)."""
+        self._last_finite: tuple[Trajectories, np.ndarray] | None = None
+        """The batch (on the host; a reference, no copy) and the columns of the last minibatch
+        whose update was finite."""
         self._end_streams = end_streams
         self._nonfinite_in_a_row = 0
         self._recycle = recycle
         self._update_fn = update_fn
+        self._batch_update_fn = batch_update_fn
         self._unrolls = unrolls
         self._batch_size = batch_size
         self._placement = placement or Placement(jax.local_devices()[:1])
@@ -130,9 +135,15 @@ class Trainer:
         self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
 
     def warm_up(self, example: Trajectories) -> None:
-        """Compiles the update on a batch of the right shapes (the result is discarded)."""
-        batch = self._placement.put_batch(example)
-        jax.block_until_ready(self._update_fn(self.state, batch))
+        """Compiles the update on a batch of this process's shapes (the result is discarded)."""
+        if self._batch_update_fn is not None:
+            jax.block_until_ready(
+                self._batch_update_fn(self.state, self._placement.put_batch(example))
+            )
+            return
+        columns = minibatch_columns(example.actions.shape[1], self._minibatches)[0]
+        minibatch = jax.tree.map(lambda x: x[:, columns], example)
+        jax.block_until_ready(self._update_fn(self.state, self._placement.put_batch(minibatch)))
 
     @property
     def coordinated(self) -> bool:
@@ -218,13 +229,19 @@ class Trainer:
             params, opt_state = jax.device_get(self._placement.local_copy((params, opt_state)))
         self._checkpointer.save(int(self.state.updates), params, opt_state, meta)
 
-    def _skip(self, metrics: dict[str, float], minibatch: Trajectories, owners: list[int]) -> None:
-        """An update whose loss or gradient was not finite: nothing of it was applied.
-
-        `minibatch` is its batch on the host, `owners` the streams of its unrolls."""
+    def _skip(
+        self,
+        metrics: dict[str, float],
+        update: int,
+        trajectories: Trajectories,
+        columns: np.ndarray,
+        owners: list[int],
+    ) -> None:
+        """Update number `update`, whose loss or gradient was not finite: nothing of it was
+        applied. Its minibatch is `columns` of `trajectories` (on the host); `owners` the
+        streams of the batch's unrolls."""
         self._stats.count_skipped_update()
-        update = int(self.state.updates) + 1
-        culprits = self._culprits(minibatch, owners)
+        culprits = self._culprits(trajectories, columns, owners)
         if culprits:
             logger.warning(
                 "update %d skipped: loss %s, gradient norm %s; the data of stream(s) %s alone "
@@ -253,26 +270,26 @@ class Trainer:
                 "is checkpointed. Lower --learning-rate or check the inputs."
             )
 
-    def _culprits(self, minibatch: Trajectories, owners: list[int]) -> list[int]:
-        """The streams (owners) whose unroll of `minibatch` alone has a non-finite loss or
-        gradient under the current parameters, while the parameters are sound: on other
-        unrolls, or else on an unroll of the last update that was finite, they are finite.
-        [] without a check, or when no unroll is to blame (the model itself diverged)."""
+    def _culprits(
+        self, trajectories: Trajectories, columns: np.ndarray, owners: list[int]
+    ) -> list[int]:
+        """The streams (owners) whose unroll of the minibatch (`columns` of `trajectories`)
+        alone has a non-finite loss or gradient under the current parameters, while the
+        parameters are sound: on other unrolls, or else on an unroll of the last update that
+        was finite, they are finite. [] without a check, or when no unroll is to blame (the
+        model itself diverged)."""
         if self._finite_check is None or self._end_streams is None:
             return []
         params = self._placement.local_copy(self.state.params)
 
-        def finite(batch: Trajectories) -> bool:
-            return bool(self._finite_check(params, batch, self.state.updates))
+        def finite(batch: Trajectories, column: int) -> bool:
+            unroll = jax.tree.map(lambda x: x[:, column : column + 1], batch)
+            return bool(self._finite_check(params, unroll, self.state.updates))
 
-        failing = [
-            owner
-            for column, owner in enumerate(owners)
-            if not finite(jax.tree.map(lambda x, c=column: x[:, c : c + 1], minibatch))
-        ]
-        sound = len(failing) < len(owners) or (
+        failing = [owners[c] for c in columns if not finite(trajectories, c)]
+        sound = len(failing) < len(columns) or (
             self._last_finite is not None
-            and finite(jax.tree.map(lambda x: x[:, :1], self._last_finite))
+            and finite(self._last_finite[0], int(self._last_finite[1][0]))
         )
         return sorted(set(failing)) if sound else []
 
@@ -294,43 +311,61 @@ class Trainer:
         owners = [unroll.owner for unroll in batch]
         if self._recycle is not None:
             self._recycle(batch)  # stacked: nothing refers to them any more
-        parts = minibatch_columns(trajectories.actions.shape[1], self._minibatches)
-        minibatches = [
-            jax.tree.map(lambda x, c=columns: x[:, c], trajectories) for columns in parts
-        ]
+        devices = 1 if self._batch_update_fn is None else len(self._placement.local_devices)
+        parts = minibatch_columns(trajectories.actions.shape[1], self._minibatches, devices)
+        order = [columns for _ in range(self._batch_passes) for columns in parts]
+        start = version = int(self.state.updates)
+        learning_rate = float(self._learning_rate(version))
+        if self._batch_update_fn is not None:
+            self.state, metrics = self._batch_update_fn(
+                self.state, self._placement.put_batch(trajectories)
+            )
+            steps = jax.device_get(metrics)
+            for index, columns in enumerate(order):
+                step = {name: values[index] for name, values in steps.items()}
+                version += self._account(step, version, trajectories, columns, versions, owners)
+            self._stats.add("learning_rate", learning_rate)
+            if version > start:
+                self._publish(version)
+            return
         on_device = [
-            (self._placement.put_batch(minibatch), versions[:, columns], owners[columns], minibatch)
-            for minibatch, columns in zip(minibatches, parts, strict=True)
+            self._placement.put_batch(jax.tree.map(lambda x, c=columns: x[:, c], trajectories))
+            for columns in parts
         ]
-        for _ in range(self._batch_passes):
-            for minibatch, *rest in on_device:
-                self._step(minibatch, *rest)
+        for index, columns in enumerate(order):
+            self.state, step = self._update_fn(self.state, on_device[index % len(parts)])
+            if self._account(
+                jax.device_get(step), version, trajectories, columns, versions, owners
+            ):
+                version += 1
+                self._publish(version)
+        self._stats.add("learning_rate", learning_rate)
 
-    def _step(
+    def _account(
         self,
-        batch: Trajectories,
+        step: dict,
+        version: int,
+        trajectories: Trajectories,
+        columns: np.ndarray,
         versions: np.ndarray,
         owners: list[int],
-        on_host: Trajectories,
-    ) -> None:
-        """One update on `batch` (on the device; `on_host` on the host), whose unrolls
-        `versions` acted and `owners` sent."""
-        version = int(self.state.updates)
-        self.state, metrics = self._update_fn(self.state, batch)
-        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+    ) -> bool:
+        """Records one update's metrics (`version` the parameters it started from, `columns`
+        its minibatch of `trajectories`, whose unrolls `versions` acted and `owners` sent);
+        whether it was applied (finite)."""
+        metrics = {name: float(value) for name, value in step.items()}
         if not metrics.pop("finite"):
-            self._skip(metrics, on_host, owners)
-            return
-        self._last_finite = on_host
+            self._skip(metrics, version + 1, trajectories, columns, owners)
+            return False
+        self._last_finite = (trajectories, columns)
         self._nonfinite_in_a_row = 0
-        new_version = version + 1
-        self._parameters.publish(
-            self._placement.local_copy(self.state.params), new_version, self.state
-        )
-        metrics["learning_rate"] = float(self._learning_rate(version))
         # Lag: updates between the parameters that acted and those that learnt from it.
-        lag = version - versions[:-1]
+        lag = version - versions[:-1, columns]
         metrics["policy_lag"] = float(lag.mean())
         self._stats.add("policy_lag_max", float(lag.max()))
         self._stats.add_many(metrics)
-        self._stats.set_updates(new_version)
+        return True
+
+    def _publish(self, version: int) -> None:
+        self._parameters.publish(self._placement.local_copy(self.state.params), version, self.state)
+        self._stats.set_updates(version)

@@ -19,6 +19,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from learner.agents.networks import PolicyOutput
@@ -314,27 +315,14 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
 
 
-def make_update_fn(
+def _update_step(
     apply_fn: ApplyFn,
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
-    placement: Placement | None = None,
+    axis: str | None,
 ) -> Callable[[TrainState, Trajectories], tuple[TrainState, dict[str, jax.Array]]]:
-    """One jitted gradient step: (state, batch) -> (new state, metrics).
-
-    On several devices (`placement`, learner/backends/devices.py) each device computes
-    the loss of its share of the batch; the gradients and metrics are averaged
-    over the devices (an all-reduce) before the optimizer step, so every
-    device applies the same step: the global batch's mean gradient, as one
-    device would compute it (the shares are equal, so the mean of the shares'
-    means is the global mean).
-
-    A step whose loss or gradient is not finite changes nothing (the state
-    comes back as it went in) and says so in `metrics["finite"]`: one NaN
-    applied would spoil the parameters for good.
-    """
-
-    axis = placement.axis_name if placement is not None and placement.sharded else None
+    """One gradient step, unjitted (see make_update_fn); with `axis`, one device's share of it
+    inside shard_map."""
 
     def share_of_loss(
         params: Params, batch: Trajectories, updates: jax.Array
@@ -363,7 +351,86 @@ def make_update_fn(
         kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), stepped, state)
         return kept, metrics
 
+    return update
+
+
+def _axis(placement: Placement | None) -> str | None:
+    return placement.axis_name if placement is not None and placement.sharded else None
+
+
+def make_update_fn(
+    apply_fn: ApplyFn,
+    optimizer: optax.GradientTransformation,
+    settings: LossSettings,
+    placement: Placement | None = None,
+) -> Callable[[TrainState, Trajectories], tuple[TrainState, dict[str, jax.Array]]]:
+    """One jitted gradient step: (state, batch) -> (new state, metrics).
+
+    On several devices (`placement`, learner/backends/devices.py) each device computes
+    the loss of its share of the batch; the gradients and metrics are averaged
+    over the devices (an all-reduce) before the optimizer step, so every
+    device applies the same step: the global batch's mean gradient, as one
+    device would compute it (the shares are equal, so the mean of the shares'
+    means is the global mean).
+
+    A step whose loss or gradient is not finite changes nothing (the state
+    comes back as it went in) and says so in `metrics["finite"]`: one NaN
+    applied would spoil the parameters for good.
+    """
+    axis = _axis(placement)
+    update = _update_step(apply_fn, optimizer, settings, axis)
     return jax.jit(update) if axis is None else placement.jit_sharded(update)
+
+
+def make_batch_update_fn(
+    apply_fn: ApplyFn,
+    optimizer: optax.GradientTransformation,
+    settings: LossSettings,
+    placement: Placement | None = None,
+    passes: int = 1,
+    minibatches: int = 1,
+) -> Callable[[TrainState, Trajectories], tuple[TrainState, dict[str, jax.Array]]]:
+    """A whole batch's training as one jitted call: `passes` passes over its `minibatches`
+    minibatches, a gradient step (make_update_fn's) on each in turn. Returns the new state
+    and each step's metrics, [passes * minibatches] in the order they ran.
+
+    One call per batch, not per step, because what a step costs the host (dispatch, the
+    metrics' transfer, the Python between steps, which shares the GIL with serving) is
+    paid once: on a GPU that host work, not the device, bounds a step of a small batch.
+
+    Each device (of `placement`) cuts its share of the batch into `minibatches` runs of
+    consecutive unrolls; minibatch_columns says which unrolls of the whole batch that makes
+    each minibatch.
+    """
+    axis = _axis(placement)
+    step = _update_step(apply_fn, optimizer, settings, axis)
+
+    def train(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
+        def cut(x: jax.Array) -> jax.Array:  # [S, B, ...] -> [M, S, B / M, ...]
+            parts = x.reshape(x.shape[0], minibatches, x.shape[1] // minibatches, *x.shape[2:])
+            return jnp.moveaxis(parts, 1, 0)
+
+        parts = jax.tree.map(cut, batch)
+
+        def one_pass(state: TrainState, _: None) -> tuple[TrainState, dict[str, jax.Array]]:
+            return jax.lax.scan(step, state, parts, unroll=True)
+
+        state, metrics = jax.lax.scan(one_pass, state, None, length=passes, unroll=True)
+        return state, jax.tree.map(lambda m: m.reshape(-1), metrics)
+
+    return jax.jit(train) if axis is None else placement.jit_sharded(train)
+
+
+def minibatch_columns(batch_size: int, minibatches: int, devices: int = 1) -> list[np.ndarray]:
+    """The unrolls (columns) of a batch of `batch_size` that make each of its `minibatches`
+    minibatches in make_batch_update_fn, the batch split evenly over `devices`."""
+    share, size = batch_size // devices, batch_size // devices // minibatches
+    return [
+        np.concatenate(
+            [np.arange(d * share + m * size, d * share + (m + 1) * size) for d in range(devices)]
+        )
+        for m in range(minibatches)
+    ]
 
 
 def make_finite_check_fn(
