@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from bench.common import CaseResult, Column, Settings, cores
+from learner.agents.agent import make_agent
 from learner.agents.networks import make_network
 from learner.agents.vtrace import learning
 from learner.data.rewards import training_rewards
@@ -102,7 +103,9 @@ class _Jax:
         # The learner's schedule decays linearly; a schedule costs nothing measurable.
         schedule = optax.linear_schedule(config.learning_rate, 0.0, 1_000_000)
         optimizer = optimizer_for(config, schedule)
-        update_fn = learning.make_update_fn(self.network.apply, optimizer, loss_settings(config))
+        update_fn = learning.make_update_fn(
+            make_agent(self.network), optimizer, loss_settings(config)
+        )
         state = learning.TrainState(self.params, optimizer.init(self.params), jnp.int32(0))
         return update_fn, state, jax.device_put(trajectories)
 

@@ -25,10 +25,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from envs import registry
+from learner.agents.agent import make_agent
 from learner.agents.networks import (
     CONV_RELU_TORSOS,
     check_network_fits,
-    core_state_shape,
     init_params,
     make_network,
 )
@@ -96,6 +96,7 @@ class Learner:
         network = make_network(
             config.network, spec.action.num_actions, config.mlp_hidden_sizes, config.lstm_size
         )
+        agent = self.agent = make_agent(network)
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))
         example_observation = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
         params = init_params(network, init_key, example_observation)
@@ -162,13 +163,8 @@ class Learner:
                 else f"XLA's own kernels ({reason})",
             )
         self.inference = InferenceLoop(
-            policy_fn=policy_fn
-            or (
-                policy_fns.make_recurrent_policy_fn(network.apply, temp_budget)
-                if config.lstm_size
-                else policy_fns.make_policy_fn(network.apply, temp_budget)
-            ),
-            core_state_shape=core_state_shape(config.lstm_size) if config.lstm_size else None,
+            policy_fn=policy_fn or policy_fns.policy_fn_for(agent, temp_budget),
+            core_state_shape=agent.core_state_shape,
             device=self.placement.inference_device,
             parameters=self.parameters,
             batcher=self.batcher,
@@ -181,7 +177,7 @@ class Learner:
             on_failure=self._fail,
         )
         self.trainer = Trainer(
-            update_fn=learning.make_update_fn(network.apply, optimizer, settings, self.placement),
+            update_fn=learning.make_update_fn(agent, optimizer, settings, self.placement),
             state=state,
             unrolls=self.unrolls,
             batch_size=self.local_batch,
@@ -203,10 +199,10 @@ class Learner:
             max_nonfinite_updates=config.max_nonfinite_updates,
             batch_passes=config.batch_passes,
             minibatches=config.minibatches,
-            finite_check=learning.make_finite_check_fn(network.apply, settings),
+            finite_check=learning.make_finite_check_fn(agent, settings),
             end_streams=self.service.end_streams,
             batch_update_fn=learning.make_batch_update_fn(
-                network.apply,
+                agent,
                 optimizer,
                 settings,
                 self.placement,
@@ -220,8 +216,7 @@ class Learner:
             config.stop_at_return,
             StopCheck(
                 config.env,
-                network,
-                config.lstm_size,
+                agent,
                 config.stop_eval_episodes,
                 seed=STOP_CHECK_SEED + config.seed,
                 epsilon=config.stop_eval_epsilon,
@@ -266,7 +261,9 @@ class Learner:
         """Compiles inference for every padded batch size, the update, and the policy of
         the check before a stop (--stop-eval-episodes), before serving."""
         self.inference.warm_up()
-        self.trainer.warm_up(example_trajectories(self.config, self.env_spec, self.local_batch))
+        self.trainer.warm_up(
+            example_trajectories(self.config, self.env_spec, self.agent, self.local_batch)
+        )
         self.return_stop.warm_up(self.parameters.latest()[0])
 
     async def run(self, ready: asyncio.Event | None = None, train: bool = True) -> int:

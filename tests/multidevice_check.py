@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from learner.agents.agent import make_agent
 from learner.agents.networks import init_params, make_network
 from learner.agents.vtrace import learning
 from learner.backends.devices import Placement
@@ -83,10 +84,10 @@ def fused_batch(network, config, optimizer, params, trajectories, count: int) ->
     state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
     many = Placement(jax.devices()[:count])
     fused = learning.make_batch_update_fn(
-        network.apply, optimizer, settings, many, passes, minibatches
+        make_agent(network), optimizer, settings, many, passes, minibatches
     )
     fused_state, fused_metrics = fused(many.put_state(state), many.put_batch(trajectories))
-    step = learning.make_update_fn(network.apply, optimizer, settings)
+    step = learning.make_update_fn(make_agent(network), optimizer, settings)
     stepped, losses = jax.device_put(state, jax.devices()[0]), []
     batch = trajectories.actions.shape[1]
     for _ in range(passes):
@@ -135,7 +136,7 @@ def main(count: int, network_name: str) -> dict:
         results[name] = {}
         for kind, optimizer in optimizers.items():
             state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
-            update = learning.make_update_fn(network.apply, optimizer, settings, placement)
+            update = learning.make_update_fn(make_agent(network), optimizer, settings, placement)
             placed_batch = placement.put_batch(trajectories)
             placed_state = placement.put_state(state)
             if name == "many" and kind == "update":

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from bench import uniform_policy
+from learner.agents.agent import make_agent, stack_frames
 from learner.agents.networks import NetworkMismatch, check_network_fits, make_network
 from learner.agents.vtrace import learning
 from learner.agents.vtrace.returns import vtrace
@@ -117,7 +118,7 @@ def mlp_update():
     network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
     params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
     optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
-    update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
+    update = learning.make_update_fn(make_agent(network), optimizer, SETTINGS)
     state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
     return update, state
 
@@ -146,7 +147,7 @@ def test_a_batch_in_one_call_takes_the_same_steps_as_one_by_one():
     step, state = mlp_update()
     network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
     optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
-    fused = learning.make_batch_update_fn(network.apply, optimizer, SETTINGS, None, 2, 2)
+    fused = learning.make_batch_update_fn(make_agent(network), optimizer, SETTINGS, None, 2, 2)
     batch = random_batch(rng)
     fused_state, fused_metrics = fused(state, batch)
     columns = learning.minibatch_columns(4, 2)
@@ -402,7 +403,7 @@ def test_the_update_reports_the_kl_between_the_policies_before_and_after_it():
     kls = {}
     for rate in (0.0, 1e-2):
         optimizer = learning.make_optimizer("adam", rate, max_grad_norm=40.0, epsilon=1e-8)
-        update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
+        update = learning.make_update_fn(make_agent(network), optimizer, SETTINGS)
         state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
         after, metrics = update(state, batch)
         kls[rate] = float(metrics["kl_update"])
@@ -426,7 +427,7 @@ def test_a_decaying_entropy_bonus_weighs_less_as_the_updates_count_up():
     decaying = SETTINGS._replace(entropy_decay_updates=100)
     weights = {}
     for settings, updates in ((SETTINGS, 75), (decaying, 0), (decaying, 75), (decaying, 200)):
-        update = learning.make_update_fn(network.apply, optimizer, settings)
+        update = learning.make_update_fn(make_agent(network), optimizer, settings)
         state = learning.TrainState(params, optimizer.init(params), jnp.int32(updates))
         _, metrics = update(state, batch)
         weights[settings.entropy_decay_updates, updates] = float(
@@ -456,7 +457,6 @@ def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
 def test_the_update_kl_of_stacked_frames_runs_the_policy_on_the_strided_steps():
     """Atari's batches hold frames and stack them in the update: the KL after it is the
     policy's on every KL_STEP_STRIDE-th stacked step of the first KL_UNROLLS unrolls."""
-    from learner.agents.vtrace.learning import stack_frames
     from learner.data.frame_stack import frame_indices
 
     rng = np.random.default_rng(4)
@@ -476,7 +476,7 @@ def test_the_update_kl_of_stacked_frames_runs_the_policy_on_the_strided_steps():
     stacked = stack_frames(batch.observations, batch.frame_index)
     params = network.init(jax.random.key(0), stacked[0, :1])
     optimizer = learning.make_optimizer("adam", 1e-3, max_grad_norm=40.0, epsilon=1e-5)
-    update = learning.make_update_fn(network.apply, optimizer, SETTINGS)
+    update = learning.make_update_fn(make_agent(network), optimizer, SETTINGS)
     after, metrics = update(
         learning.TrainState(params, optimizer.init(params), jnp.int32(0)), batch
     )
@@ -503,11 +503,15 @@ def test_the_clipped_surrogate_stops_pushing_where_the_ratio_left_the_clip():
         truncated=np.zeros((3, 1), bool),
     )
     settings = SETTINGS._replace(policy_clip=0.2, baseline_cost=0.0, entropy_cost=0.0)
-    pi = jax.nn.log_softmax(learning.policy_outputs(params, network.apply, batch).logits)[:-1, 0, 0]
+    pi = jax.nn.log_softmax(learning.policy_outputs(params, make_agent(network), batch).logits)[
+        :-1, 0, 0
+    ]
 
     def policy_gradient_norm(behaviour_log_probs):
         trial = batch._replace(behaviour_log_probs=behaviour_log_probs)
-        grads, _ = jax.grad(learning.loss_fn, has_aux=True)(params, network.apply, trial, settings)
+        grads, _ = jax.grad(learning.loss_fn, has_aux=True)(
+            params, make_agent(network), trial, settings
+        )
         return float(optax_norm(grads))
 
     inside = np.concatenate([np.asarray(pi)[:, None], np.zeros((1, 1))]).astype(np.float32)
@@ -557,14 +561,14 @@ def test_an_update_on_real_atari_frames_moves_the_policy_to_a_planted_reward(env
     )
     config = preset_for(env_id)
     network = make_network(network_name, num_actions=6)
-    stacked = learning.stack_frames(frames_only.observations, frames_only.frame_index)
+    stacked = stack_frames(frames_only.observations, frames_only.frame_index)
     params = network.init(jax.random.key(0), stacked[0, :1])
     optimizer = learning.make_optimizer("adam", 1e-3, max_grad_norm=40.0, epsilon=1e-5)
-    update = learning.make_update_fn(network.apply, optimizer, loss_settings(config))
+    update = learning.make_update_fn(make_agent(network), optimizer, loss_settings(config))
     state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
 
     def policy(params) -> np.ndarray:
-        logits = learning.policy_outputs(params, network.apply, frames_only).logits
+        logits = learning.policy_outputs(params, make_agent(network), frames_only).logits
         return np.asarray(jax.nn.softmax(logits), np.float64)
 
     def acted_on(probabilities: np.ndarray) -> learning.Trajectories:

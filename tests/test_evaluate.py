@@ -78,10 +78,11 @@ def test_an_epsilon_greedy_player_takes_a_uniform_action_that_often(epsilon, exp
     import jax
     import numpy as np
 
+    from learner.agents.agent import make_agent
     from learner.inference.player import Player
 
     network, params, spec = constant_policy("classic:CartPole-v1", "mlp")
-    player = Player(network, spec, 0, sample=False, epsilon=epsilon)
+    player = Player(make_agent(network), spec, sample=False, epsilon=epsilon)
     assert player.policy == ("greedy" if not epsilon else f"epsilon-greedy ({epsilon:g})")
     rows = 20_000
     observations = np.zeros((rows, *spec.model_observation.shape), np.float32)
@@ -97,6 +98,7 @@ def test_the_atari_stop_check_ends_episodes_of_a_policy_that_never_presses_fire(
     """Breakout waits for FIRE after every lost life: a greedy policy that never picks it
     plays on to the 108k-frame limit. The Atari presets' check acts epsilon-greedily, so
     its episodes end as the game's do."""
+    from learner.agents.agent import make_agent
     from learner.presets import preset_for
     from learner.training.stop_check import StopCheck
 
@@ -104,7 +106,7 @@ def test_the_atari_stop_check_ends_episodes_of_a_policy_that_never_presses_fire(
     assert config.stop_eval_epsilon == 0.01
     network, params, _ = constant_policy("atari:Breakout", config.network)
     check = StopCheck(
-        "atari:Breakout", network, 0, episodes=2, seed=5, epsilon=config.stop_eval_epsilon
+        "atari:Breakout", make_agent(network), episodes=2, seed=5, epsilon=config.stop_eval_epsilon
     )
     try:
         returns, lengths = check._player.play(check._env, params, 2, seed=5)

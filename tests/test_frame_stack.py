@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from learner.agents.vtrace.learning import stack_frames
+from learner.agents.agent import stack_frames
 from learner.data.frame_stack import FrameStacker, frame_indices, window_validity
 from learner.data.unroll_store import UnrollStore
 from learner.training.trainer import stack_unrolls

@@ -20,21 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from learner.backends.cpu.host_arrays import aligned_zeros
 from learner.data.unroll_store import UnrollStore
+from learner.inference.core_states import core_states_for
 from learner.serving.batcher import STOPPED, DynamicBatcher, InferenceRequest
 from learner.telemetry.stats import LearnerStats
 from seedrl.codec import EnvStep, encode_actions_message
 from seedrl.specs import TensorSpec
 
 logger = logging.getLogger(__name__)
-
-# The slot index of rows that have no slot (padding, a stream that ended): past any
-# capacity, so the policy reads zeros for them and writes nothing.
-NO_SLOT = np.iinfo(np.int32).max
 
 # Consecutive failed batches after which inference gives up and stops the learner.
 MAX_CONSECUTIVE_FAILURES = 10
@@ -99,7 +95,7 @@ class InferenceLoop:
     ):
         """With `core_state_shape` (one env's core state), `policy_fn` is a recurrent
         agent's (policy.make_recurrent_policy_fn) and every env slot's core state
-        lives on `device` (default: JAX's), next to the parameters."""
+        lives on `device` (default: JAX's), next to the parameters (core_states.py)."""
         self._policy_fn = policy_fn
         self._on_failure = on_failure
         self._parameters = parameters
@@ -115,53 +111,17 @@ class InferenceLoop:
             size: aligned_zeros((size, *model_observation.shape), model_observation.np_dtype)
             for size in self._sizes
         }
-        self._core_shape = core_state_shape
-        if core_state_shape is not None:
-            self._flags = {
-                size: (
-                    aligned_zeros(size, np.bool_),
-                    aligned_zeros(size, np.bool_),
-                    aligned_zeros(size, np.int32),
-                )
-                for size in self._sizes
-            }
-            self._states = self._starts = None
-            self._device = device or jax.devices()[0]
-            self._grow_core_states(store.capacity)
+        self._core = core_states_for(policy_fn, core_state_shape, self._sizes, device)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
-
-    def _grow_core_states(self, capacity: int) -> None:
-        """Room for `capacity` slots' core states (new ones zero), made and kept on the
-        device; the policy compiles once more for the new size."""
-
-        def grown(old: jax.Array | None) -> jax.Array:
-            new = jnp.zeros((capacity, *self._core_shape), jnp.float32, device=self._device)
-            return new if old is None else new.at[: old.shape[0]].set(old)
-
-        self._states, self._starts = grown(self._states), grown(self._starts)
 
     def warm_up(self) -> None:
         """Compiles the policy for every padded size before actors are served."""
         params, _ = self._parameters.latest()
         for size in self._sizes:
-            if self._core_shape is not None:
-                self._flags[size][2][:] = NO_SLOT  # rows of no slot: nothing read or written
-            jax.block_until_ready(self._policy(params, size)[0])
-
-    def _policy(self, params: Any, size: int) -> tuple[Any, jax.Array | None]:
-        """Runs the policy on the padded batch of `size` rows: (PolicyStep, and for a
-        recurrent agent each row's finished unroll start state, else None)."""
-        observations = self._buffers[size]
-        if self._core_shape is None:
-            step, self._key = self._policy_fn(params, observations, self._key)
-            return step, None
-        first, at_start, slots = self._flags[size]
-        result = self._policy_fn(
-            params, observations, first, slots, at_start, self._states, self._starts, self._key
-        )
-        self._states, self._starts, self._key = result.states, result.starts, result.key
-        return result.step, result.finished_starts
+            self._core.flags(size, 0, self._store.capacity)  # no rows: no slot read or written
+            step, self._key, _ = self._core.run(params, self._buffers[size], self._key)
+            jax.block_until_ready(step)
 
     def start(self) -> None:
         self._thread.start()
@@ -211,27 +171,19 @@ class InferenceLoop:
         num_envs = len(slots)
         size = next(size for size in self._sizes if size >= num_envs)
         observations = self._buffers[size]
-        first = at_start = core_slots = None
-        if self._core_shape is not None:
-            first, at_start, core_slots = self._flags[size]
-            first[num_envs:] = at_start[num_envs:] = False
-            core_slots[num_envs:] = NO_SLOT
-            if self._store.capacity > self._states.shape[0]:
-                self._grow_core_states(self._store.capacity)
+        first, at_start = self._core.flags(size, num_envs, self._store.capacity)
         live = self._store.observe(
             slots,
             owners,
             [request.step.observations for request in batch],
             observations[:num_envs],
-            first_out=None if first is None else first[:num_envs],
-            at_start_out=None if at_start is None else at_start[:num_envs],
+            first_out=first,
+            at_start_out=at_start,
         )
-        if core_slots is not None:
-            # A stream gone: its rows neither read nor write any slot's state.
-            core_slots[:num_envs] = np.where(live, slots, NO_SLOT)
+        self._core.bind(num_envs, slots, live)
 
         params, version = self._parameters.latest()
-        step, finished_starts = self._policy(params, size)
+        step, self._key, finished_starts = self._core.run(params, observations, self._key)
         actions = np.asarray(step.actions)[:num_envs]
         log_probs = np.asarray(step.log_probs)[:num_envs]
         computed = time.perf_counter()
@@ -262,15 +214,8 @@ class InferenceLoop:
         self._stats.add("inference_latency_s", latency, len(batch))
         self._stats.add_time("inference", served - started)
 
-        if finished_starts is not None and unrolls:
-            # Each unroll carries the core state it started from (a slice on the device).
-            row_of = {slot: row for row, slot in enumerate(slots.tolist())}
-            unrolls = [
-                unroll._replace(core_state=finished_starts[row_of[unroll.slot]])
-                for unroll in unrolls
-            ]
         if unrolls:
-            self._enqueue(unrolls)
+            self._enqueue(self._core.attach(unrolls, slots, finished_starts))
 
     def _enqueue(self, unrolls: list[Any]) -> None:
         """Queues the unrolls for the trainer, waiting while the queue is full."""

@@ -33,13 +33,13 @@ class Player:
     actions sampled from it. seedrl-eval plays a checkpoint with it; the learner, its
     current parameters when --stop-eval-episodes asks it to."""
 
-    def __init__(self, network: Any, spec: Any, lstm_size: int, sample: bool, epsilon: float = 0.0):
+    def __init__(self, agent: Any, spec: Any, sample: bool, epsilon: float = 0.0):
+        """`agent`: agents.agent.make_agent's, for the network that made the parameters."""
         import jax
         import jax.numpy as jnp
 
-        self._network = network
+        self._agent = agent
         self._spec = spec
-        self._lstm_size = lstm_size
         epsilon = 0.0 if sample else epsilon
         self.policy = (
             "sample" if sample else f"epsilon-greedy ({epsilon:g})" if epsilon else "greedy"
@@ -51,12 +51,9 @@ class Player:
         def act(
             params: Any, observations: jax.Array, first: jax.Array, state: Any, key: jax.Array
         ) -> tuple[jax.Array, Any, jax.Array]:
-            if lstm_size:
-                # The core state carried from step to step, zeroed where episodes start.
-                output, state = network.apply(params, observations[None], first[None], state)
-                logits = output.logits[0]
-            else:
-                logits = network.apply(params, observations).logits
+            # A recurrent agent's core state is carried from step to step, zeroed where
+            # episodes start.
+            logits, state = agent.step(params, observations, first, state)
             key, sample_key = jax.random.split(key)
             if sample:
                 return jax.random.categorical(sample_key, logits).astype(jnp.int32), state, key
@@ -78,7 +75,7 @@ class Player:
         model = self._spec.model_observation
         observations = np.zeros((num_envs, *model.shape), model.np_dtype)
         first = np.ones(num_envs, np.bool_)
-        state = self._network.initial_state(num_envs) if self._lstm_size else None
+        state = self._agent.initial_state(num_envs)
         jax.block_until_ready(self._act(params, observations, first, state, _key(params, 0)))
 
     def play(
@@ -107,7 +104,7 @@ class Player:
         lengths: list[int] = []
         key = _key(params, seed)
         stacker = FrameStacker(self._spec, num_envs)  # the learner's frame stacking, if any
-        state = self._network.initial_state(num_envs) if self._lstm_size else None
+        state = self._agent.initial_state(num_envs)
         step = env.reset()
         first = np.ones(num_envs, np.bool_)
         recording = video is not None

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from learner.agents.agent import Agent
 from learner.agents.vtrace.learning import ApplyFn, Params
 from learner.backends.cpu.onednn_conv import for_inference
 
@@ -178,3 +179,12 @@ def make_recurrent_policy_fn(
         return RecurrentPolicyStep(step, key, states, starts, finished_starts)
 
     return jax.jit(policy, donate_argnums=(5, 6))
+
+
+def policy_fn_for(agent: Agent, max_temp_bytes: int | None = None) -> Callable:
+    """The jitted sampling inference runs for `agent` (agents.agent.make_agent's):
+    make_recurrent_policy_fn's, which keeps every env's core state on the device, or
+    make_policy_fn's."""
+    if agent.recurrent:
+        return make_recurrent_policy_fn(agent.network.apply, max_temp_bytes)
+    return make_policy_fn(agent.network.apply, max_temp_bytes)

@@ -156,6 +156,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
     import numpy as np
 
     from envs import registry
+    from learner.agents.agent import make_agent
     from learner.agents.networks import init_params, make_network
     from learner.training import checkpoint
 
@@ -197,7 +198,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
         video = VideoWriter(config.video, fps)
     started = time.perf_counter()
     try:
-        player = Player(network, spec, lstm_size, config.sample, config.epsilon)
+        player = Player(make_agent(network), spec, config.sample, config.epsilon)
         returns, lengths = player.play(env, params, config.episodes, config.seed, video)
     finally:
         env.close()

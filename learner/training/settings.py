@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from learner.agents.networks import core_state_shape
+from learner.agents.agent import Agent
 from learner.agents.vtrace import learning
 from learner.backends.devices import DeviceError, Placement, prepare_cpu_devices, select_devices
 from learner.config import LearnerConfig
@@ -81,10 +81,10 @@ def loss_settings(config: LearnerConfig, global_batch: int | None = None) -> lea
 
 
 def example_trajectories(
-    config: LearnerConfig, env_spec: EnvSpec, batch: int | None = None
+    config: LearnerConfig, env_spec: EnvSpec, agent: Agent, batch: int | None = None
 ) -> learning.Trajectories:
-    """Zeros of the training batch's shapes (`batch` unrolls, default --batch-size), to compile
-    the update ahead of time."""
+    """Zeros of the training batch's shapes for `agent` (`batch` unrolls, default
+    --batch-size), to compile the update ahead of time."""
     steps, batch = config.unroll_length + 1, batch or config.batch_size
     stack = env_spec.frame_stack
     frames = config.unroll_length + stack
@@ -93,10 +93,7 @@ def example_trajectories(
             (frames, batch, *env_spec.observation.shape), env_spec.observation.np_dtype
         ),
         frame_index=None if stack == 1 else np.zeros((steps, batch, stack), np.int32),
-        first=np.ones((steps, batch), np.bool_) if config.lstm_size else None,
-        core_state=np.zeros((1, batch, *core_state_shape(config.lstm_size)), np.float32)
-        if config.lstm_size
-        else None,
+        **agent.example_fields(steps, batch),
         actions=np.zeros((steps, batch), np.int32),
         behaviour_log_probs=np.zeros((steps, batch), np.float32),
         rewards=np.zeros((steps, batch), np.float32),

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from envs import registry
+from learner.agents.agent import Agent
 from learner.agents.vtrace.learning import TrainState
 from learner.inference.loop import ParameterSource
 from learner.inference.player import MAX_ENVS, Player
@@ -34,8 +35,7 @@ class StopCheck:
     def __init__(
         self,
         env_id: str,
-        network: Any,
-        lstm_size: int,
+        agent: Agent,
         episodes: int,
         seed: int,
         epsilon: float = 0.0,
@@ -43,7 +43,7 @@ class StopCheck:
         self.episodes = episodes
         self._seed = seed
         self._env = registry.make(env_id, min(episodes, MAX_ENVS), seed=seed)
-        self._player = Player(network, self._env.spec, lstm_size, sample=False, epsilon=epsilon)
+        self._player = Player(agent, self._env.spec, sample=False, epsilon=epsilon)
         self.policy = self._player.policy
         """How the check acts: "greedy" or "epsilon-greedy (E)"."""
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "stop-check")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from learner.agents.agent import Agent
 from learner.agents.networks import PolicyOutput
 from learner.agents.vtrace.returns import VTraceReturns, vtrace
 from learner.backends.devices import Placement
@@ -118,31 +119,9 @@ def vtrace_inputs(
     return VTraceInputs(log_rhos, discounts, rewards, values_t, bootstrap_value, mask)
 
 
-def stack_frames(frames: jax.Array, frame_index: jax.Array) -> jax.Array:
-    """frames [T+S, B, C, ...] and frame_index [T+1, B, S] -> [T+1, B, S*C, ...] (jittable)."""
-    padded = jnp.concatenate([jnp.zeros_like(frames[:1]), frames])  # index -1 -> zeros
-    batch = jnp.arange(frames.shape[1])[None, :, None]
-    stacked = padded[frame_index + 1, batch]  # [T+1, B, S, C, ...]
-    return stacked.reshape(*stacked.shape[:2], -1, *stacked.shape[4:])
-
-
-def policy_outputs(params: Params, apply_fn: ApplyFn, batch: Trajectories) -> PolicyOutput:
+def policy_outputs(params: Params, agent: Agent, batch: Trajectories) -> PolicyOutput:
     """The network on every step of `batch`: logits [T+1, B, A] and values [T+1, B]."""
-    steps, batch_size = batch.actions.shape
-    observations = batch.observations
-    if batch.frame_index is not None:
-        observations = stack_frames(observations, batch.frame_index)
-    if batch.core_state is not None:
-        # The core unrolled from the state inference had before step 0, reset where
-        # episodes start, as it ran when acting.
-        output, _ = apply_fn(params, observations, batch.first, batch.core_state[0])
-        return output
-    flat_observations = observations.reshape(steps * batch_size, *observations.shape[2:])
-    output = apply_fn(params, flat_observations)
-    return PolicyOutput(
-        logits=output.logits.reshape(steps, batch_size, -1),
-        values=output.values.reshape(steps, batch_size),
-    )
+    return agent.unroll(params, batch)
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array, axis: str | None = None) -> jax.Array:
@@ -187,7 +166,7 @@ def learning_health(
 
 def loss_fn(
     params: Params,
-    apply_fn: ApplyFn,
+    agent: Agent,
     batch: Trajectories,
     settings: LossSettings,
     axis: str | None = None,
@@ -198,7 +177,7 @@ def loss_fn(
     batch split over devices in shard_map) the advantages are normalised with the whole
     batch's statistics, as on one device. `updates` (applied so far) sets the entropy
     bonus's weight where it decays."""
-    output = policy_outputs(params, apply_fn, batch)
+    output = policy_outputs(params, agent, batch)
     logits, values = output.logits[:-1], output.values
     log_policy = jax.nn.log_softmax(logits)
     actions = batch.actions[:-1]
@@ -273,25 +252,13 @@ pass to every update (the trainer is the bottleneck on a CPU); this takes a few 
 
 
 def update_kl(
-    apply_fn: ApplyFn, params: Params, batch: Trajectories, logits_before: jax.Array
+    agent: Agent, params: Params, batch: Trajectories, logits_before: jax.Array
 ) -> jax.Array:
     """Mean KL(pi_before || pi_after) over the steps KL_UNROLLS and KL_STEP_STRIDE pick (a
-    recurrent policy: every step of those unrolls, since its core needs them all),
+    recurrent agent: every step of those unrolls, since its core needs them all),
     `logits_before` [T+1, B, A] being the policy's before the update, `params` after it."""
     columns = min(KL_UNROLLS, batch.actions.shape[1])
-    if batch.core_state is not None:
-        subset = jax.tree.map(lambda x: x[:, :columns], batch)
-        after = policy_outputs(params, apply_fn, subset).logits
-        before = logits_before[:, :columns]
-    else:
-        steps = slice(None, None, KL_STEP_STRIDE)
-        observations = batch.observations[:, :columns]
-        if batch.frame_index is not None:
-            observations = stack_frames(observations, batch.frame_index[steps, :columns])
-        else:
-            observations = observations[steps]
-        after = apply_fn(params, observations.reshape(-1, *observations.shape[2:])).logits
-        before = logits_before[steps, :columns].reshape(after.shape)
+    after, before = agent.kl_logits(params, batch, logits_before, columns, KL_STEP_STRIDE)
     after, before = jax.nn.log_softmax(after), jax.nn.log_softmax(before)
     return jnp.mean(jnp.sum(jnp.exp(before) * (before - after), axis=-1))
 
@@ -316,7 +283,7 @@ def make_optimizer(
 
 
 def _update_step(
-    apply_fn: ApplyFn,
+    agent: Agent,
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
     axis: str | None,
@@ -327,7 +294,7 @@ def _update_step(
     def share_of_loss(
         params: Params, batch: Trajectories, updates: jax.Array
     ) -> tuple[jax.Array, tuple]:
-        total, (metrics, logits) = loss_fn(params, apply_fn, batch, settings, axis, updates)
+        total, (metrics, logits) = loss_fn(params, agent, batch, settings, axis, updates)
         if axis is None:
             return total, (metrics, logits)
         # In shard_map the gradient of the replicated parameters comes back summed over
@@ -341,7 +308,7 @@ def _update_step(
         )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        kl = update_kl(apply_fn, params, batch, logits)
+        kl = update_kl(agent, params, batch, logits)
         metrics["kl_update"] = kl if axis is None else jax.lax.pmean(kl, axis)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -359,7 +326,7 @@ def _axis(placement: Placement | None) -> str | None:
 
 
 def make_update_fn(
-    apply_fn: ApplyFn,
+    agent: Agent,
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
     placement: Placement | None = None,
@@ -378,12 +345,12 @@ def make_update_fn(
     applied would spoil the parameters for good.
     """
     axis = _axis(placement)
-    update = _update_step(apply_fn, optimizer, settings, axis)
+    update = _update_step(agent, optimizer, settings, axis)
     return jax.jit(update) if axis is None else placement.jit_sharded(update)
 
 
 def make_batch_update_fn(
-    apply_fn: ApplyFn,
+    agent: Agent,
     optimizer: optax.GradientTransformation,
     settings: LossSettings,
     placement: Placement | None = None,
@@ -403,7 +370,7 @@ def make_batch_update_fn(
     each minibatch.
     """
     axis = _axis(placement)
-    step = _update_step(apply_fn, optimizer, settings, axis)
+    step = _update_step(agent, optimizer, settings, axis)
 
     def train(state: TrainState, batch: Trajectories) -> tuple[TrainState, dict[str, jax.Array]]:
         def cut(x: jax.Array) -> jax.Array:  # [S, B, ...] -> [M, S, B / M, ...]
@@ -434,7 +401,7 @@ def minibatch_columns(batch_size: int, minibatches: int, devices: int = 1) -> li
 
 
 def make_finite_check_fn(
-    apply_fn: ApplyFn, settings: LossSettings
+    agent: Agent, settings: LossSettings
 ) -> Callable[[Params, Trajectories, jax.Array], jax.Array]:
     """(params, batch, updates) -> whether the loss and gradient of `batch` are finite, on
     one device (jitted). An update that was not finite runs it unroll by unroll, to find
@@ -442,7 +409,7 @@ def make_finite_check_fn(
 
     def finite(params: Params, batch: Trajectories, updates: jax.Array) -> jax.Array:
         grads, (metrics, _) = jax.grad(
-            lambda p: loss_fn(p, apply_fn, batch, settings, None, updates), has_aux=True
+            lambda p: loss_fn(p, agent, batch, settings, None, updates), has_aux=True
         )(params)
         return jnp.isfinite(metrics["loss"]) & jnp.isfinite(optax.tree.norm(grads))
 
