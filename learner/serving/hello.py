@@ -41,6 +41,23 @@ class StreamRefused(Exception):
         return ((REFUSAL_KEY, verdict),)
 
 
+MAX_HELLO_BYTES = 64 << 10
+"""The largest first message a stream may send. A hello is a few hundred bytes (ids, the
+env id, its specs); a larger one is refused before it is parsed, so a peer's megabyte
+hellos cost the learner their reading only."""
+
+
+def parse_hello_message(raw: bytes) -> seedrl_pb2.ActorMessage:
+    """A stream's first message, or StreamRefused if it is larger than a hello may be or
+    is not an ActorMessage."""
+    if len(raw) > MAX_HELLO_BYTES:
+        raise StreamRefused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the first message is {len(raw):,} bytes; a hello is at most {MAX_HELLO_BYTES:,}",
+        )
+    return parse_message(raw, "the first message")
+
+
 def parse_message(raw: bytes, what: str) -> seedrl_pb2.ActorMessage:
     message = seedrl_pb2.ActorMessage()
     try:

@@ -22,7 +22,7 @@ import numpy as np
 
 from learner.data.unroll_store import UnrollStore
 from learner.serving.batcher import STOPPED, DynamicBatcher, InferenceRequest
-from learner.serving.hello import StreamRefused, check_hello, parse_message
+from learner.serving.hello import StreamRefused, check_hello, parse_hello_message, parse_message
 from learner.telemetry.stats import LearnerStats
 from seedrl import security
 from seedrl.codec import StepCodec, WireError, observation_changes_allowed
@@ -258,7 +258,7 @@ class LearnerService:
             ) from error
         if raw is grpc.aio.EOF:
             raise StreamRefused(grpc.StatusCode.INVALID_ARGUMENT, "stream closed before its hello")
-        hello = check_hello(parse_message(raw, "the first message"), self.env_spec, self._max_envs)
+        hello = check_hello(parse_hello_message(raw), self.env_spec, self._max_envs)
         if self.stopping:
             return None
         self._check_room(hello)
