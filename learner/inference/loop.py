@@ -96,7 +96,6 @@ class InferenceLoop:
         """With `core_state_shape` (one env's core state), `policy_fn` is a recurrent
         agent's (policy.make_recurrent_policy_fn) and every env slot's core state
         lives on `device` (default: JAX's), next to the parameters (core_states.py)."""
-        self._policy_fn = policy_fn
         self._on_failure = on_failure
         self._parameters = parameters
         self._batcher = batcher
@@ -138,7 +137,7 @@ class InferenceLoop:
     @property
     def policy_fn(self) -> Callable:
         """The jitted policy inference runs (to inspect its compiled programs)."""
-        return self._policy_fn
+        return self._core.policy_fn
 
     @property
     def rng_key(self) -> jax.Array:

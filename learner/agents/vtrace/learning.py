@@ -15,20 +15,19 @@ x_t as the end of its trace (see `vtrace_inputs`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from learner.agents.agent import Agent
+from learner.agents.agent import Agent, Params
 from learner.agents.networks import PolicyOutput
 from learner.agents.vtrace.returns import VTraceReturns, vtrace
 from learner.backends.devices import Placement
 from learner.data.rewards import training_rewards
 
-Params = Any
 ApplyFn = Callable[[Params, jax.Array], PolicyOutput]
 
 
