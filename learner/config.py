@@ -131,8 +131,12 @@ class LearnerConfig:
     entropy_cost: float = 0.01
     """Weight of the entropy bonus at the start of training."""
     entropy_cost_decay: bool = False
-    """Decay the entropy bonus's weight linearly to 0 at total_env_steps, as the learning
-    rate decays: exploration early, a greedier policy late."""
+    """Decay the entropy bonus's weight linearly to 0 at total_env_steps (or at
+    entropy_decay_env_steps), as the learning rate decays: exploration early, a greedier
+    policy late."""
+    entropy_decay_env_steps: int = 0
+    """With entropy_cost_decay: the env steps over which the bonus reaches 0, when that
+    should come before total_env_steps; 0: at total_env_steps."""
     reward_clipping: Literal["abs_one", "none"] = "abs_one"
     """Rewards for training: abs_one clips to [-1, 1]. Reported returns are always raw."""
     reward_scale: float = 1.0
@@ -225,6 +229,7 @@ class LearnerConfig:
 
         require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
         require(self.total_env_steps > 0, "total_env_steps must be positive")
+        require(self.entropy_decay_env_steps >= 0, "entropy_decay_env_steps must not be negative")
         require(self.stop_eval_episodes >= 0, "stop_eval_episodes must not be negative")
         require(self.max_abs_reward > 0, "max_abs_reward must be positive")
         require(self.max_streams >= 1, "max_streams must be at least 1")

@@ -452,6 +452,12 @@ def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
     # The same count as the learning rate's decay: both reach 0 together.
     assert float(learning_rate_schedule(config)(200)) == 0.0
     assert float(learning_rate_schedule(config)(199)) > 0.0
+    # Its own horizon, when given: the bonus reaches 0 first, the learning rate later.
+    sooner = dataclasses.replace(config, entropy_cost_decay=True, entropy_decay_env_steps=16_000)
+    assert loss_settings(sooner).entropy_decay_updates == 50
+    assert float(learning_rate_schedule(sooner)(50)) > 0.0
+    with pytest.raises(ValueError, match="entropy_decay_env_steps"):
+        dataclasses.replace(config, entropy_decay_env_steps=-1)
 
 
 def test_the_update_kl_of_stacked_frames_runs_the_policy_on_the_strided_steps():

@@ -43,9 +43,11 @@ def learning_rate_schedule(
     return optax.linear_schedule(learning_rate, 0.0, total_updates(config, global_batch))
 
 
-def total_updates(config: LearnerConfig, global_batch: int) -> int:
-    """The gradient steps --total-env-steps buys: where the decaying schedules reach 0."""
-    batches = max(1, config.total_env_steps // (config.unroll_length * global_batch))
+def total_updates(config: LearnerConfig, global_batch: int, env_steps: int = 0) -> int:
+    """The gradient steps `env_steps` (default --total-env-steps) buy: where the decaying
+    schedules reach 0."""
+    env_steps = env_steps or config.total_env_steps
+    batches = max(1, env_steps // (config.unroll_length * global_batch))
     # The schedules' step count is an int32 on the device.
     return min(batches * config.batch_passes * config.minibatches, 2**31 - 1)
 
@@ -64,7 +66,9 @@ def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.Grad
 def loss_settings(config: LearnerConfig, global_batch: int | None = None) -> learning.LossSettings:
     decay_updates = 0
     if config.entropy_cost_decay:
-        decay_updates = total_updates(config, global_batch or config.batch_size)
+        decay_updates = total_updates(
+            config, global_batch or config.batch_size, config.entropy_decay_env_steps
+        )
     return learning.LossSettings(
         discount=config.discount,
         lambda_=config.vtrace_lambda,
