@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -66,7 +67,8 @@ class LearnConfig:
     envs_per_actor: int = 0
     """Envs per actor; 0: run_local.sh's default."""
     learner_flags: tuple[str, ...] = ()
-    """Further learner flags, e.g. --learner-flags=--learning-rate=1e-3; none: the preset's."""
+    """Further learner flags, each value split as a shell would, e.g.
+    --learner-flags="--learning-rate=1e-3 --batch-passes=1"; none: the preset's."""
     out_dir: str = ""
     """Where the JSON, the plots and each game's run directory go; empty: runs/learn-TIME."""
 
@@ -131,7 +133,7 @@ def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
     command = [os.path.join(machine.ROOT, "scripts", "run_local.sh"), env_id]
     if config.num_actors or config.envs_per_actor:
         command += [str(config.num_actors or 4), str(config.envs_per_actor or 8)]
-    flags = list(config.learner_flags)
+    flags = [flag for value in config.learner_flags for flag in shlex.split(value)]
     if target is not None:
         flags += [
             "--stop-at-return",

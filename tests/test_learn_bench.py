@@ -62,7 +62,13 @@ def test_a_run_that_reaches_its_target_reports_minutes_frames_and_its_curve(tmp_
 
 def test_a_run_out_of_time_is_stopped_and_still_reports_its_curve(tmp_path):
     code, output, report = run_learn(
-        tmp_path, "--games", "Pong", "--time-limit-min", "1", timeout=300
+        tmp_path,
+        "--games",
+        "Pong",
+        "--time-limit-min",
+        "1",
+        "--learner-flags=--seed=7 --unroll-queue-size=8",
+        timeout=300,
     )
     assert code == 1, output[-3000:]  # Pong's +18 is not reached in a minute
     (game,) = report["games"]
@@ -72,6 +78,9 @@ def test_a_run_out_of_time_is_stopped_and_still_reports_its_curve(tmp_path):
     assert game["curve"] and game["env_frames_run"] > 0
     assert game["random_score"] == learn.REFERENCE_SCORES["Pong"][0]
     assert game["returns_at_minutes"] == {"15": None, "30": None, "60": None}
+    # One --learner-flags value carries several flags, split as a shell would.
+    settings = game["learner_settings"]
+    assert settings["seed"] == 7 and settings["unroll_queue_size"] == 8, settings
     assert (tmp_path / "learn-Pong.png").read_bytes()[:8] == PNG_MAGIC
     # run_local.sh stopped every process it started.
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
