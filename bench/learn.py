@@ -44,6 +44,7 @@ REFERENCE_SCORES: dict[str, tuple[float, float]] = {
 DEFAULT_TARGETS: dict[str, float] = {"Pong": 18.0}
 READ_AT_MINUTES = (15.0, 30.0, 60.0)
 STOP_GRACE_S = 60.0  # run_local's own SIGTERM handling stops the learner and actors
+LOG_TAIL_LINES = 20  # of a failed run's log, printed with its summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +276,11 @@ def summary_line(result: dict[str, Any]) -> str:
             f"{result['target']:g} reached in {result['minutes_to_target']:.1f} min, "
             f"{result['env_frames_to_target']:,} env frames"
         )
+    elif result["exit_code"] not in (0, None):
+        head = (
+            f"the run failed (exit {result['exit_code']}) after "
+            f"{result['minutes_run']:.1f} min; its log: {result['log']}"
+        )
     elif result["target"] is not None:
         head = f"{result['target']:g} not reached in {result['minutes_run']:.1f} min"
     else:
@@ -294,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_game(config, game, out_dir)
         results.append(result)
         plot(result, os.path.join(out_dir, f"learn-{file_name(game)}.png"))
+        if result["exit_code"] not in (0, None):
+            # A run that failed rather than ran out of time shows why, here.
+            with open(result["log"], errors="replace") as log:
+                print("".join(log.readlines()[-LOG_TAIL_LINES:]), end="", flush=True)
         print(f"learn: {summary_line(result)}", flush=True)
         with open(os.path.join(out_dir, "learn.json"), "w") as file:
             json.dump({**context, "games": results}, file, indent=2)

@@ -39,6 +39,9 @@ def test_a_run_that_reaches_its_target_reports_minutes_frames_and_its_curve(tmp_
         "150",
         "--time-limit-min",
         "8",
+        # CartPole can reach 150 within seconds of training: a record each half
+        # second gives the curve several points however fast it learns.
+        "--learner-flags=--log-interval-s=0.5",
         timeout=600,
     )
     assert code == 0, output[-3000:]
@@ -67,7 +70,7 @@ def test_a_run_out_of_time_is_stopped_and_still_reports_its_curve(tmp_path):
         "Pong",
         "--time-limit-min",
         "1",
-        "--learner-flags=--seed=7 --unroll-queue-size=8",
+        "--learner-flags=--seed=7 --unroll-queue-size=24",
         timeout=300,
     )
     assert code == 1, output[-3000:]  # Pong's +18 is not reached in a minute
@@ -80,11 +83,23 @@ def test_a_run_out_of_time_is_stopped_and_still_reports_its_curve(tmp_path):
     assert game["returns_at_minutes"] == {"15": None, "30": None, "60": None}
     # One --learner-flags value carries several flags, split as a shell would.
     settings = game["learner_settings"]
-    assert settings["seed"] == 7 and settings["unroll_queue_size"] == 8, settings
+    assert settings["seed"] == 7 and settings["unroll_queue_size"] == 24, settings
     assert (tmp_path / "learn-Pong.png").read_bytes()[:8] == PNG_MAGIC
     # run_local.sh stopped every process it started.
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+def test_a_run_that_fails_says_so_and_shows_why(tmp_path):
+    # Pong's preset trains on batches of 16 unrolls: a queue of 8 cannot hold one.
+    code, output, report = run_learn(
+        tmp_path, "--games", "Pong", "--learner-flags=--unroll-queue-size=8", timeout=120
+    )
+    assert code == 1
+    (game,) = report["games"]
+    assert game["exit_code"] not in (0, None) and not game["reached"]
+    assert "the run failed (exit" in output, output[-3000:]
+    assert "unroll_queue_size (8) must hold" in output, output[-3000:]
 
 
 def test_returns_are_read_at_the_last_point_before_each_mark():
