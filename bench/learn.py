@@ -124,6 +124,14 @@ def human_normalized(game: str, score: float | None) -> float | None:
     return round((score - random_score) / (human - random_score), 3)
 
 
+class StopRequested(Exception):
+    """SIGTERM to the benchmark: stop the running game as its time limit would."""
+
+
+def _request_stop(signum: int, frame: Any) -> None:
+    raise StopRequested
+
+
 def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
     """Runs scripts/run_local.sh on `game` to its target or the time limit."""
     target = config.target if config.target is not None else DEFAULT_TARGETS.get(game)
@@ -162,10 +170,17 @@ def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        interrupted = False
         try:
             exit_code: int | None = process.wait(timeout=config.time_limit_min * 60.0)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt, StopRequested) as stop:
+            # Out of time, or the user stopped the benchmark (Ctrl-C, SIGTERM): either
+            # way run_local stops its learner and actors and the curve so far is kept.
             exit_code = None
+            interrupted = not isinstance(stop, subprocess.TimeoutExpired)
+            if interrupted:  # a second request must not cut the stop short
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             process.send_signal(signal.SIGTERM)
             try:
                 process.wait(timeout=STOP_GRACE_S)
@@ -201,6 +216,7 @@ def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
         "random_score": random_score,
         "human_score": human,
         "exit_code": exit_code,
+        "interrupted": interrupted,
         "command": command,
         "learner_settings": settings,
         "curve": points,
@@ -276,6 +292,8 @@ def summary_line(result: dict[str, Any]) -> str:
             f"{result['target']:g} reached in {result['minutes_to_target']:.1f} min, "
             f"{result['env_frames_to_target']:,} env frames"
         )
+    elif result["interrupted"]:
+        head = f"stopped by the user after {result['minutes_run']:.1f} min"
     elif result["exit_code"] not in (0, None):
         head = (
             f"the run failed (exit {result['exit_code']}) after "
@@ -295,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     os.makedirs(out_dir, exist_ok=True)
     context = machine.context(dataclasses.asdict(config))
+    signal.signal(signal.SIGTERM, _request_stop)
     results = []
     for game in config.games:
         result = run_game(config, game, out_dir)
@@ -308,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(os.path.join(out_dir, "learn.json"), "w") as file:
             json.dump({**context, "games": results}, file, indent=2)
             file.write("\n")
+        if result["interrupted"]:
+            break
     print(f"learn: wrote {os.path.join(out_dir, 'learn.json')}", flush=True)
     targets = [r for r in results if r["target"] is not None]
     return 0 if all(r["reached"] for r in targets) else 1

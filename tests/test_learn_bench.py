@@ -9,8 +9,10 @@ reports its curve.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 from bench import learn
 from tests.fleet import ROOT
@@ -86,6 +88,33 @@ def test_a_run_out_of_time_is_stopped_and_still_reports_its_curve(tmp_path):
     assert settings["seed"] == 7 and settings["unroll_queue_size"] == 24, settings
     assert (tmp_path / "learn-Pong.png").read_bytes()[:8] == PNG_MAGIC
     # run_local.sh stopped every process it started.
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def test_a_benchmark_stopped_by_the_user_stops_its_fleet_and_keeps_the_curve(tmp_path):
+    games = ["--games", "Pong", "Breakout", "--time-limit-min", "30"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.learn", "--out-dir", str(tmp_path), *games],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = tmp_path / "run-Pong" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, "Pong never trained"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 1, output[-3000:]
+    report = json.loads((tmp_path / "learn.json").read_text())
+    (game,) = report["games"]  # Breakout never started
+    assert game["interrupted"] and not game["reached"] and game["exit_code"] is None
+    assert len(game["curve"]) >= 2 and game["env_frames_run"] > 0
+    assert "stopped by the user after" in output, output[-3000:]
+    assert (tmp_path / "learn-Pong.png").read_bytes()[:8] == PNG_MAGIC
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
 
