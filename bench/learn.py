@@ -282,6 +282,11 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(figure)
 
 
+def failed(result: dict[str, Any]) -> bool:
+    """Whether the run ended on its own with an error, not at its target or time limit."""
+    return result["exit_code"] not in (0, None)
+
+
 def summary_line(result: dict[str, Any]) -> str:
     reads = ", ".join(
         f"{m} min {'-' if v is None else f'{v:.1f}'}"
@@ -294,7 +299,7 @@ def summary_line(result: dict[str, Any]) -> str:
         )
     elif result["interrupted"]:
         head = f"stopped by the user after {result['minutes_run']:.1f} min"
-    elif result["exit_code"] not in (0, None):
+    elif failed(result):
         head = (
             f"the run failed (exit {result['exit_code']}) after "
             f"{result['minutes_run']:.1f} min; its log: {result['log']}"
@@ -319,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_game(config, game, out_dir)
         results.append(result)
         plot(result, os.path.join(out_dir, f"learn-{file_name(game)}.png"))
-        if result["exit_code"] not in (0, None):
+        if failed(result):
             # A run that failed rather than ran out of time shows why, here.
             with open(result["log"], errors="replace") as log:
                 print("".join(log.readlines()[-LOG_TAIL_LINES:]), end="", flush=True)
