@@ -14,6 +14,7 @@ from learner.agents.vtrace import learning
 from learner.agents.vtrace.returns import vtrace
 from learner.data.rewards import training_rewards
 from learner.inference import policy as policy_fns
+from learner.telemetry.metrics import explained_variance_of
 
 SETTINGS = learning.LossSettings(
     discount=0.9,
@@ -366,25 +367,32 @@ def health(values, targets, log_rhos=None, mask=None):
     }
 
 
+def explained(values, targets):
+    figures = health(values, targets)
+    return explained_variance_of(
+        figures["baseline_error_variance"], figures["value_target_variance"]
+    )
+
+
 def test_explained_variance_says_how_much_of_the_targets_the_baseline_predicts():
     targets = [[1.0, 3.0], [-2.0, 6.0]]
-    assert health(targets, targets)["explained_variance"] == pytest.approx(1.0)
+    assert explained(targets, targets) == pytest.approx(1.0)
     # A constant baseline at the targets' mean explains nothing.
-    assert health(np.full((2, 2), 2.0), targets)["explained_variance"] == pytest.approx(0.0)
+    assert explained(np.full((2, 2), 2.0), targets) == pytest.approx(0.0)
     # Half the spread predicted: residuals of half the size leave a quarter of the variance.
     half = np.asarray(targets) / 2 + 1.0
-    assert health(half, targets)["explained_variance"] == pytest.approx(0.75)
+    assert explained(half, targets) == pytest.approx(0.75)
     # Targets that do not vary have nothing to explain.
-    assert np.isnan(health([[0.5, 1.0]], [[1.0, 1.0]])["explained_variance"])
+    assert explained([[0.5, 1.0]], [[1.0, 1.0]]) is None
     # Masked (auto-reset) transitions count for nothing.
     masked = health([[1.0, 100.0]], [[1.0, -50.0]], mask=[[1.0, 0.0]])
-    assert masked["advantage_std"] == 0.0 and masked["value_target_std"] == 0.0
+    assert masked["advantage_variance"] == 0.0 and masked["value_target_variance"] == 0.0
 
 
-def test_the_scales_are_the_standard_deviations_of_the_real_transitions():
-    figures = health(np.zeros((2, 2)), [[1.0, -1.0], [1.0, -1.0]])
-    assert figures["value_target_std"] == pytest.approx(1.0)
-    assert figures["advantage_std"] == pytest.approx(1.0)
+def test_the_scales_are_the_variances_of_the_real_transitions():
+    figures = health(np.zeros((2, 2)), [[2.0, -2.0], [2.0, -2.0]])
+    assert figures["value_target_variance"] == pytest.approx(4.0)
+    assert figures["advantage_variance"] == pytest.approx(4.0)
 
 
 def test_kl_of_behaviour_is_zero_on_policy_and_matches_the_estimator_off_it():

@@ -38,3 +38,32 @@ def test_record_and_console_line(tmp_path, monkeypatch):
     # A quarter done at 250 steps/s: 7,500 steps left, 30 s.
     assert line.startswith("[#####...............]  25.0% eta 30s ")
     assert "fps 1,000" in line and "return 9.00" in line and "actors 2" in line
+
+
+def test_explained_variance_pools_the_intervals_updates(tmp_path):
+    """A minibatch without a reward has targets that hardly vary, and its own ratio is far
+    below 0 however good the baseline; the record weighs each update by its targets'
+    spread, as one variance over all their transitions would."""
+    stats = LearnerStats()
+    logger = MetricsLogger(
+        str(tmp_path / "metrics.jsonl"), stats, frames_per_step=4, total_env_steps=10_000
+    )
+    # A point scored: the baseline misses a fifth of the targets' spread (0.8 on its own).
+    stats.add_many(
+        {"value_target_variance": 1.0, "baseline_error_variance": 0.2, "advantage_variance": 0.3}
+    )
+    # No reward: the targets hardly vary and the baseline's small error exceeds them (-2).
+    stats.add_many(
+        {
+            "value_target_variance": 0.001,
+            "baseline_error_variance": 0.003,
+            "advantage_variance": 0.1,
+        }
+    )
+    record = logger.record(unroll_queue_depth=0)
+    assert record["explained_variance"] == pytest.approx(1 - 0.203 / 1.001, abs=1e-4)
+    assert record["value_target_std"] == pytest.approx((1.001 / 2) ** 0.5, abs=1e-6)
+    assert record["advantage_std"] == pytest.approx(0.2**0.5, abs=1e-6)
+    # The next interval, without updates, has no figure.
+    assert logger.record(unroll_queue_depth=0)["explained_variance"] is None
+    logger.close()

@@ -31,6 +31,21 @@ def format_duration(seconds: float) -> str:
     return f"{total}s"
 
 
+def explained_variance_of(
+    baseline_error_variance: float | None, value_target_variance: float | None
+) -> float | None:
+    """1 - Var[v_s - V(x_s)] / Var[v_s] from the two variances, each pooled over the
+    interval's updates (agents/vtrace/learning.py, learning_health): how much of the value
+    targets' spread the baseline predicts. None while the targets do not vary."""
+    if baseline_error_variance is None or not (value_target_variance or 0.0) > 0:
+        return None
+    return 1.0 - baseline_error_variance / value_target_variance
+
+
+def _sqrt(value: float | None) -> float | None:
+    return None if value is None else math.sqrt(max(value, 0.0))
+
+
 class MetricsLogger:
     """Turns LearnerStats snapshots into records: rates, means and time shares."""
 
@@ -84,9 +99,13 @@ class MetricsLogger:
             "learning_rate": _round(mean("learning_rate"), 8),
             "rho_mean": _round(mean("rho_mean")),
             # Learning health (agents/vtrace/learning.py, learning_health and update_kl).
-            "explained_variance": _round(mean("explained_variance")),
-            "advantage_std": _round(mean("advantage_std"), 6),
-            "value_target_std": _round(mean("value_target_std"), 6),
+            "explained_variance": _round(
+                explained_variance_of(
+                    mean("baseline_error_variance"), mean("value_target_variance")
+                )
+            ),
+            "advantage_std": _round(_sqrt(mean("advantage_variance")), 6),
+            "value_target_std": _round(_sqrt(mean("value_target_variance")), 6),
             "value_mean": _round(mean("value_mean")),
             "kl_behaviour": _round(mean("kl_behaviour"), 6),
             "kl_update": _round(mean("kl_update"), 7),

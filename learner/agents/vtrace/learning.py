@@ -142,23 +142,22 @@ def learning_health(
     """Figures that show whether an agent learns before its return moves, over the batch's
     real transitions.
 
-    explained_variance: 1 - Var[v_s - V(x_s)] / Var[v_s], how much of the value targets'
-    spread the baseline predicts (NaN while the targets do not vary); near 0 or below, the
-    advantages are mostly the baseline's error. advantage_std and value_target_std: the
-    scales the policy gradient and the value loss work with. kl_behaviour: KL(mu || pi) of
-    the policy that acted from the one that learns, estimated from the taken actions
+    The spreads are variances, which the log pools over its interval's updates
+    (telemetry/metrics.py, explained_variance_of): value_target_variance, Var[v_s];
+    baseline_error_variance, Var[v_s - V(x_s)]; advantage_variance, the policy gradient's
+    scale. A minibatch of two unrolls often holds no reward and its targets hardly vary: a
+    mean of each update's own 1 - error / target would be ruled by those and read near 0
+    while the baseline predicts most of the targets. kl_behaviour: KL(mu || pi) of the
+    policy that acted from the one that learns, estimated from the taken actions
     ((rho - 1) - log rho, unbiased and never negative).
     """
     mask = inputs.mask
     values = jax.lax.stop_gradient(inputs.values)
-    target_variance = _masked_variance(targets.vs, mask)
-    residual_variance = _masked_variance(targets.vs - values, mask)
-    explained = jnp.where(target_variance > 0, 1.0 - residual_variance / target_variance, jnp.nan)
     log_rhos = jax.lax.stop_gradient(inputs.log_rhos)
     return {
-        "explained_variance": explained,
-        "advantage_std": jnp.sqrt(_masked_variance(advantages, mask)),
-        "value_target_std": jnp.sqrt(target_variance),
+        "value_target_variance": _masked_variance(targets.vs, mask),
+        "baseline_error_variance": _masked_variance(targets.vs - values, mask),
+        "advantage_variance": _masked_variance(advantages, mask),
         "kl_behaviour": _masked_mean(jnp.expm1(log_rhos) - log_rhos, mask),
     }
 
