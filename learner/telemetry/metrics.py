@@ -37,13 +37,13 @@ def explained_variance_of(
     """1 - Var[v_s - V(x_s)] / Var[v_s] from the two variances, each pooled over the
     interval's updates (agents/vtrace/learning.py, learning_health): how much of the value
     targets' spread the baseline predicts. None while the targets do not vary."""
-    if baseline_error_variance is None or not (value_target_variance or 0.0) > 0:
+    if baseline_error_variance is None or not value_target_variance:
         return None
     return 1.0 - baseline_error_variance / value_target_variance
 
 
 def _sqrt(value: float | None) -> float | None:
-    return None if value is None else math.sqrt(max(value, 0.0))
+    return None if value is None else math.sqrt(value)
 
 
 class MetricsLogger:
