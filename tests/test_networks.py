@@ -133,3 +133,28 @@ def test_relu_torso_kernels_start_orthogonal_with_relus_gain(name):
         np.testing.assert_allclose(
             kernel.T @ kernel, 2.0 * np.eye(fan_out), atol=1e-4, err_msg=f"{name} {layer}"
         )
+
+
+def test_centered_compact_cnn_sees_each_frame_less_its_mean_shade():
+    """A shade added to a whole frame changes nothing `compact_cnn_centered` computes: its
+    first layer works on frames centred on their mean pixel, so Atari's uniform backgrounds
+    do not switch its channels off (networks._centered_frames). The same parameters in
+    `compact_cnn` do see the shade."""
+    network = make_network("compact_cnn_centered", num_actions=6)
+    rng = np.random.default_rng(3)
+    frames = rng.integers(0, 100, (2, 4, 42, 42), dtype=np.uint8)
+    params = network.init(jax.random.key(1), frames)
+    shaded = frames.copy()
+    shaded[:, 1] += 80  # one of the four stacked frames, brighter all over
+    shaded[1, 3] += 40
+    out, shaded_out = network.apply(params, frames), network.apply(params, shaded)
+    np.testing.assert_allclose(shaded_out.logits, out.logits, atol=1e-5)
+    np.testing.assert_allclose(shaded_out.values, out.values, atol=1e-5)
+    # Not blind to the frames: moving one bright square changes the outputs.
+    moved = frames.copy()
+    moved[:, 0, 10:14, 10:14] = 255
+    assert not np.allclose(network.apply(params, moved).values, out.values, atol=1e-5)
+    plain = make_network("compact_cnn", num_actions=6)
+    assert not np.allclose(
+        plain.apply(params, shaded).values, plain.apply(params, frames).values, atol=1e-5
+    )
