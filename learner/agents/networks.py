@@ -97,9 +97,10 @@ def _centered_frames(x: jax.Array) -> jax.Array:
     direction, and the channel's pre-activation everywhere by ~20 such steps at once:
     in Pong runs of the compact CNN 13 to 15 of the 16 first-layer channels ended off
     for every state. Centred, the background is ~0 and moves only the bias; all 16 stay
-    active, and Pong leaves random play in half the minutes. Breakout, whose background
-    is black (0) and so couples nothing, rose more slowly in its first 2M frames; until
-    that is settled the preset keeps `compact_cnn` (docs/learning.md).
+    active, and Pong leaves random play in half the minutes. Breakout's background is
+    black (0), which couples nothing; its mean (0.16, bricks and walls) moves it to
+    -0.16, and Breakout rises more slowly in its first 2M frames, so the preset keeps
+    `compact_cnn` (docs/learning.md). Less the median shade would leave both at 0.
     """
     return x - jnp.mean(x, axis=(1, 2), keepdims=True)
 
