@@ -309,6 +309,13 @@ class NetworkMismatch(ValueError):
 _NATURE_MIN_SIZE = 36
 # ... and the compact torso's (4x4/2 twice, VALID).
 _COMPACT_MIN_SIZE = 10
+# The image torsos and the smallest frame side each takes.
+_IMAGE_MIN_SIZE: dict[str, int] = {
+    "nature_cnn": _NATURE_MIN_SIZE,
+    "compact_cnn": _COMPACT_MIN_SIZE,
+    "compact_cnn_centered": _COMPACT_MIN_SIZE,
+    "impala_resnet": 1,
+}
 
 
 def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> None:
@@ -317,13 +324,9 @@ def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> N
     observation = f"{dtype}[{','.join(map(str, shape))}]"
     if name == "mlp":
         return
-    if name in ("nature_cnn", "compact_cnn", "compact_cnn_centered", "impala_resnet"):
+    if name in _IMAGE_MIN_SIZE:
         wanted = "uint8 images [C, H, W] (stacked frames as channels)"
-        minimum = {
-            "nature_cnn": _NATURE_MIN_SIZE,
-            "compact_cnn": _COMPACT_MIN_SIZE,
-            "compact_cnn_centered": _COMPACT_MIN_SIZE,
-        }.get(name, 1)
+        minimum = _IMAGE_MIN_SIZE[name]
         fits = dtype == "uint8" and len(shape) == 3 and min(shape[1:]) >= minimum
     elif name == "smm_cnn":
         wanted = "football's packed mini-map, uint8 [H, W, planes/8]"
