@@ -76,7 +76,7 @@ class LearnerConfig:
     # -- network -------------------------------------------------------------
     network: NetworkName = "nature_cnn"
     """Torso: nature_cnn or impala_resnet for images (compact_cnn, or compact_cnn_centered
-    on frames less their mean pixel, for 42x42 ones), smm_cnn for football's packed
+    on frames less their median shade, for 42x42 ones), smm_cnn for football's packed
     mini-map, mlp for vectors."""
     mlp_hidden_sizes: tuple[int, ...] = (64, 64)
     """Layer sizes of the mlp torso."""

@@ -11,8 +11,9 @@ import dataclasses
 from learner.config import LearnerConfig
 
 PRESETS: dict[str, LearnerConfig] = {
-    # 42x42 frames and the compact CNN, trained as PPO trains Atari: two passes over each
-    # batch in minibatches of two unrolls (a gradient step per 40 transitions), PPO's clip
+    # 42x42 frames and the compact CNN on each frame less its background shade (which
+    # keeps its first-layer channels from switching off), trained as PPO trains Atari:
+    # two passes over each batch in minibatches of two unrolls (a step per 40), PPO's clip
     # against the acting policy, lambda 0.95, gradients clipped to 0.5, Adam at three
     # times PPO's 2.5e-4. The learning rate and the entropy bonus decay to 0 over 6M
     # agent steps (24M frames, an hour on 2 cores): exploration early, refinement late.
@@ -20,7 +21,7 @@ PRESETS: dict[str, LearnerConfig] = {
     # policy near uniform longer, and Pong leaves random play sooner (docs/learning.md).
     "atari": LearnerConfig(
         env="atari:Pong",
-        network="compact_cnn",
+        network="compact_cnn_centered",
         total_env_steps=6_000_000,
         learning_rate=7.5e-4,
         entropy_cost_decay=True,

@@ -540,7 +540,8 @@ def optax_norm(tree):
 
 
 @pytest.mark.parametrize(
-    ("env_id", "network_name"), [("atari:Pong", "nature_cnn"), ("atari:Pong/42x42", "compact_cnn")]
+    ("env_id", "network_name"),
+    [("atari:Pong", "nature_cnn"), ("atari:Pong/42x42", "compact_cnn_centered")],
 )
 def test_an_update_on_real_atari_frames_moves_the_policy_to_a_planted_reward(env_id, network_name):
     """Real Pong frames, stacked as the learner stacks them; each round the current policy acts

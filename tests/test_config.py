@@ -17,7 +17,7 @@ def test_the_env_family_picks_the_preset():
     assert config.preset == "classic" and config.network == "mlp"
     assert config.reward_clipping == "none"
     atari = parse_cli(["--env", "atari:Breakout"])
-    assert atari.preset == "atari" and atari.network == "compact_cnn"
+    assert atari.preset == "atari" and atari.network == "compact_cnn_centered"
     assert atari.env == "atari:Breakout"
     # The DQN frame size takes the Nature CNN's preset.
     dqn = parse_cli(["--env", "atari:Breakout/no-sticky/84x84"])

@@ -135,9 +135,9 @@ def test_relu_torso_kernels_start_orthogonal_with_relus_gain(name):
         )
 
 
-def test_centered_compact_cnn_sees_each_frame_less_its_mean_shade():
+def test_centered_compact_cnn_sees_each_frame_less_its_median_shade():
     """A shade added to a whole frame changes nothing `compact_cnn_centered` computes: its
-    first layer works on frames centred on their mean pixel, so Atari's uniform backgrounds
+    first layer works on frames less their median shade, so Atari's uniform backgrounds
     do not switch its channels off (networks._centered_frames). The same parameters in
     `compact_cnn` do see the shade."""
     network = make_network("compact_cnn_centered", num_actions=6)
@@ -158,3 +158,29 @@ def test_centered_compact_cnn_sees_each_frame_less_its_mean_shade():
     assert not np.allclose(
         plain.apply(params, shaded).values, plain.apply(params, frames).values, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("game", ["Pong", "Breakout"])
+def test_centring_puts_a_real_atari_background_at_zero(game):
+    """On real 42x42 frames the shade taken off is the background's, whatever it is (Pong's
+    field is grey, Breakout's black): at least half of each frame is exactly 0 after, and the
+    shade is the median of the sampled pixels, as numpy computes it."""
+    from envs import registry
+    from learner.agents.networks import _background_shade, _centered_frames
+
+    env = registry.make(f"atari:{game}/42x42", 4, seed=0)
+    rng = np.random.default_rng(0)
+    frames = [env.reset().observations]
+    for _ in range(60):
+        frames.append(env.step(rng.integers(0, 4, 4)).observations)
+    env.close()
+    pixels = np.concatenate(frames)[:, 0]  # [N, H, W] uint8
+    x = jnp.asarray(pixels[..., None], jnp.float32) / 255.0
+    shade = np.asarray(_background_shade(x))[:, 0, 0, 0] * 255.0
+    np.testing.assert_allclose(shade, np.median(pixels[:, ::2, ::2], axis=(1, 2)), atol=1e-3)
+    zero = np.mean(np.asarray(_centered_frames(x)) == 0.0, axis=(1, 2, 3))
+    assert zero.min() >= 0.5, zero.min()
+    if game == "Breakout":
+        assert shade.max() == 0.0  # black already: nothing to take off
+    else:
+        assert shade.min() > 50  # the field's grey, to be taken off
