@@ -137,7 +137,8 @@ class LearnerConfig:
     policy late."""
     entropy_decay_env_steps: int = 0
     """With entropy_cost_decay: the env steps over which the bonus reaches 0, when that
-    should come before total_env_steps; 0: at total_env_steps."""
+    should come before total_env_steps; 0 (or more than total_env_steps): at
+    total_env_steps."""
     reward_clipping: Literal["abs_one", "none"] = "abs_one"
     """Rewards for training: abs_one clips to [-1, 1]. Reported returns are always raw."""
     reward_scale: float = 1.0
