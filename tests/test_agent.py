@@ -464,7 +464,7 @@ def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
     sooner = dataclasses.replace(config, entropy_cost_decay=True, entropy_decay_env_steps=16_000)
     assert loss_settings(sooner).entropy_decay_updates == 50
     assert float(learning_rate_schedule(sooner)(50)) > 0.0
-    # A horizon past the run's end (a preset's, in a shorter run) ends with the run.
+    # A horizon past the run's end ends with the run.
     later = dataclasses.replace(config, entropy_cost_decay=True, entropy_decay_env_steps=640_000)
     assert loss_settings(later).entropy_decay_updates == 200
     with pytest.raises(ValueError, match="entropy_decay_env_steps"):

@@ -66,11 +66,9 @@ def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.Grad
 def loss_settings(config: LearnerConfig, global_batch: int | None = None) -> learning.LossSettings:
     decay_updates = 0
     if config.entropy_cost_decay:
-        # A run shorter than the bonus's own horizon (a preset's, cut by --total-env-steps)
-        # still ends with the bonus at 0, as the learning rate does.
-        decay_env_steps = min(
-            config.entropy_decay_env_steps or config.total_env_steps, config.total_env_steps
-        )
+        # A run shorter than the bonus's own horizon still ends with the bonus at 0, as the
+        # learning rate does; 0 stays 0, which total_updates reads as --total-env-steps.
+        decay_env_steps = min(config.entropy_decay_env_steps, config.total_env_steps)
         decay_updates = total_updates(config, global_batch or config.batch_size, decay_env_steps)
     return learning.LossSettings(
         discount=config.discount,
