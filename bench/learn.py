@@ -5,10 +5,13 @@ default fleet, from the moment the command starts (set-up, compilation and
 all) until the learner stops at the target, checked greedily
 (--stop-at-return TARGET --stop-eval-episodes 10), or the time limit ends
 it. A game without a target runs for the whole limit, its 100-episode mean
-read at fixed minutes. Writes OUT_DIR/learn.json (per game: minutes and env
-frames to the target, the curve, the settings the learner ran with, the
-machine and the commit) and OUT_DIR/learn-GAME.png (return over minutes and
-over env frames). Needs the machine to itself: the figure is wall-clock time.
+read at fixed minutes. --runs N runs each game N times, one after another:
+single runs of one setting differ by minutes, so a claim of minutes to a score
+rests on several and their median. Writes OUT_DIR/learn.json (per run: minutes
+and env frames to the target, the curve, the settings the learner ran with;
+per game: each run's minutes and frames and their median; the machine and the
+commit) and OUT_DIR/learn-GAME.png (every run's return over minutes and over
+env frames). Needs the machine to itself: the figure is wall-clock time.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ class LearnConfig:
     """Greedy-checked 100-episode mean to stop at; None: the game's default (Pong 18; other
     games none: they run for --time-limit-min)."""
     time_limit_min: float = 60.0
-    """Longest wall-clock time a game runs, set-up and compilation included."""
+    """Longest wall-clock time a run lasts, set-up and compilation included."""
+    runs: int = 1
+    """Runs of each game, one after another; the summary gives each run's minutes and env
+    frames to the target and their median."""
     stop_eval_episodes: int = 10
     """Greedy episodes that must also reach the target before the learner stops."""
     env_options: str = ""
@@ -132,13 +138,19 @@ def _request_stop(signum: int, frame: Any) -> None:
     raise StopRequested
 
 
-def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
+def run_name(config: LearnConfig, game: str, run: int) -> str:
+    """The file name of a game's run: "Pong", or "Pong-2" for the second of several."""
+    return file_name(game) if config.runs == 1 else f"{file_name(game)}-{run}"
+
+
+def run_game(config: LearnConfig, game: str, out_dir: str, run: int = 1) -> dict[str, Any]:
     """Runs scripts/run_local.sh on `game` to its target or the time limit."""
     target = config.target if config.target is not None else DEFAULT_TARGETS.get(game)
     env_id = game if ":" in game else f"atari:{game}"
     if config.env_options:
         env_id += f"/{config.env_options}"
-    run_dir = os.path.join(out_dir, f"run-{file_name(game)}")
+    name = run_name(config, game, run)
+    run_dir = os.path.join(out_dir, f"run-{name}")
     command = [os.path.join(machine.ROOT, "scripts", "run_local.sh"), env_id]
     if config.num_actors or config.envs_per_actor:
         command += [str(config.num_actors or 4), str(config.envs_per_actor or 8)]
@@ -157,8 +169,8 @@ def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
         "SEEDRL_PORT": str(free_port()),
         "SEEDRL_HTTP_PORT": "0",
     }
-    print(f"learn: {game}: {' '.join(command)}", flush=True)
-    log_path = os.path.join(out_dir, f"run-{file_name(game)}.log")
+    print(f"learn: {name}: {' '.join(command)}", flush=True)
+    log_path = os.path.join(out_dir, f"run-{name}.log")
     started = time.time()
     with open(log_path, "w") as log:
         process = subprocess.Popen(
@@ -203,6 +215,7 @@ def run_game(config: LearnConfig, game: str, out_dir: str) -> dict[str, Any]:
     random_score, human = REFERENCE_SCORES.get(game, (None, None))
     return {
         "game": game,
+        "run": run,
         "env_id": env_id,
         "target": target,
         "reached": reached,
@@ -230,56 +243,105 @@ def _stopped_at_return(log_path: str) -> bool:
         return any("training finished" in line and "mean return" in line for line in log)
 
 
-def plot(result: dict[str, Any], path: str) -> None:
-    """The 100-episode mean over wall minutes and over env frames, with the target and
-    the random and human scores."""
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    """The 100-episode mean over wall minutes and over env frames, one line per run of a
+    game, with the target and the random and human scores."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [p for p in result["curve"] if p["episode_return_mean"] is not None]
+    first = results[0]
     figure, (by_time, by_frames) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    minutes = [p["minutes"] for p in points]
-    frames = [p["env_frames"] / 1e6 for p in points]
-    returns = [p["episode_return_mean"] for p in points]
-    for axes, xs, label in (
-        (by_time, minutes, "wall-clock minutes"),
-        (by_frames, frames, "env frames (millions)"),
-    ):
-        axes.plot(xs, returns, color="#4878a8", label="100-episode mean")
-        checks = [
-            (x, p["stop_check_return"])
-            for x, p in zip(xs, points, strict=True)
-            if p["stop_check_return"] is not None
-        ]
-        if checks:
-            axes.scatter(
-                *zip(*checks, strict=True), color="#c4723c", s=14, label="greedy check", zorder=3
-            )
+    colours = plt.get_cmap("tab10")
+    all_returns: list[float] = []
+    for index, result in enumerate(results):
+        points = [p for p in result["curve"] if p["episode_return_mean"] is not None]
+        minutes = [p["minutes"] for p in points]
+        frames = [p["env_frames"] / 1e6 for p in points]
+        returns = [p["episode_return_mean"] for p in points]
+        all_returns += returns
+        name = "100-episode mean" if len(results) == 1 else f"run {result['run']}"
+        colour = "#4878a8" if len(results) == 1 else colours(index % 10)
+        for axes, xs in ((by_time, minutes), (by_frames, frames)):
+            axes.plot(xs, returns, color=colour, label=name)
+            checks = [
+                (x, p["stop_check_return"])
+                for x, p in zip(xs, points, strict=True)
+                if p["stop_check_return"] is not None
+            ]
+            if checks:
+                axes.scatter(
+                    *zip(*checks, strict=True),
+                    color="#c4723c",
+                    s=14,
+                    label="greedy check" if index == 0 else None,
+                    zorder=3,
+                )
+    for axes, label in ((by_time, "wall-clock minutes"), (by_frames, "env frames (millions)")):
         for value, style, name in (
-            (result["target"], "--", "target"),
-            (result["random_score"], ":", "random"),
-            (result["human_score"], "-.", "human"),
+            (first["target"], "--", "target"),
+            (first["random_score"], ":", "random"),
+            (first["human_score"], "-.", "human"),
         ):
             if value is not None and (
-                name != "human" or value <= max(returns, default=value) * 1.5
+                name != "human" or value <= max(all_returns, default=value) * 1.5
             ):
                 axes.axhline(value, color="grey", linestyle=style, linewidth=1, label=name)
         axes.set_xlabel(label)
         axes.grid(alpha=0.3)
     by_time.set_ylabel("return")
     by_time.legend(fontsize=8)
-    status = (
-        f"{result['target']:g} in {result['minutes_to_target']:.1f} min, "
-        f"{result['env_frames_to_target'] / 1e6:.1f}M frames"
-        if result["reached"]
-        else f"{result['minutes_run']:.0f} min run"
-    )
-    figure.suptitle(f"{result['env_id']}: {status}")
+    figure.suptitle(f"{first['env_id']}: {plot_status(results)}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def plot_status(results: list[dict[str, Any]]) -> str:
+    """The plot's title after the env id: the time to the target, or the runs' length."""
+    if len(results) > 1:
+        summary = summarize(results)
+        reached = f"{summary['reached']} of {summary['runs']} runs reached {summary['target']:g}"
+        if summary["median_minutes_to_target"] is None:
+            return reached
+        return f"{reached}, median {summary['median_minutes_to_target']:.1f} min"
+    (result,) = results
+    if result["reached"]:
+        return (
+            f"{result['target']:g} in {result['minutes_to_target']:.1f} min, "
+            f"{result['env_frames_to_target'] / 1e6:.1f}M frames"
+        )
+    return f"{result['minutes_run']:.0f} min run"
+
+
+def median_reached(values: list[float | None]) -> float | None:
+    """The median of runs' figures to a target, a run that did not reach it (None) counting
+    as longer than any that did; None when the median falls on such a run."""
+    ordered = sorted(values, key=lambda value: (value is None, value or 0.0))
+    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
+    if not middle or any(value is None for value in middle):
+        return None
+    return sum(middle) / len(middle)
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One game's runs: each run's minutes and env frames to the target, and their median."""
+    minutes = [r["minutes_to_target"] for r in results]
+    frames = [r["env_frames_to_target"] for r in results]
+    median_frames = median_reached(frames)
+    return {
+        "game": results[0]["game"],
+        "env_id": results[0]["env_id"],
+        "target": results[0]["target"],
+        "runs": len(results),
+        "reached": sum(r["reached"] for r in results),
+        "minutes_to_target": minutes,
+        "env_frames_to_target": frames,
+        "median_minutes_to_target": median_reached(minutes),
+        "median_env_frames_to_target": None if median_frames is None else round(median_frames),
+        "final_return_means": [r["final_return_mean"] for r in results],
+    }
 
 
 def failed(result: dict[str, Any]) -> bool:
@@ -287,7 +349,7 @@ def failed(result: dict[str, Any]) -> bool:
     return result["exit_code"] not in (0, None)
 
 
-def summary_line(result: dict[str, Any]) -> str:
+def summary_line(result: dict[str, Any], runs: int = 1) -> str:
     reads = ", ".join(
         f"{m} min {'-' if v is None else f'{v:.1f}'}"
         for m, v in result["returns_at_minutes"].items()
@@ -308,35 +370,77 @@ def summary_line(result: dict[str, Any]) -> str:
         head = f"{result['target']:g} not reached in {result['minutes_run']:.1f} min"
     else:
         head = f"{result['minutes_run']:.1f} min"
-    return f"{result['env_id']}: {head}; 100-episode mean at {reads}"
+    run = f" (run {result['run']} of {runs})" if runs > 1 else ""
+    return f"{result['env_id']}{run}: {head}; 100-episode mean at {reads}"
+
+
+def summary_of_runs(summary: dict[str, Any]) -> str:
+    """A game's several runs in one line: how many reached the target, each one's minutes,
+    and the median."""
+    each = ", ".join("-" if m is None else f"{m:.1f}" for m in summary["minutes_to_target"])
+    median = summary["median_minutes_to_target"]
+    if median is None:
+        middle = "median: not reached"
+    else:
+        middle = f"median {median:.1f} min, {summary['median_env_frames_to_target']:,} env frames"
+    return (
+        f"{summary['env_id']}: {summary['target']:g} reached in {summary['reached']} of "
+        f"{summary['runs']} runs; minutes to it per run: {each}; {middle}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = tyro.cli(LearnConfig, args=argv, prog="python -m bench.learn")
+    if config.runs < 1:
+        print(f"learn: --runs must be 1 or more, not {config.runs}", file=sys.stderr)
+        return 2
     out_dir = os.path.abspath(
         config.out_dir or os.path.join("runs", time.strftime("learn-%Y%m%d-%H%M%S"))
     )
     os.makedirs(out_dir, exist_ok=True)
     context = machine.context(dataclasses.asdict(config))
     signal.signal(signal.SIGTERM, _request_stop)
-    results = []
+    results: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = []
+    interrupted = False
     for game in config.games:
-        result = run_game(config, game, out_dir)
-        results.append(result)
-        plot(result, os.path.join(out_dir, f"learn-{file_name(game)}.png"))
-        if failed(result):
-            # A run that failed rather than ran out of time shows why, here.
-            with open(result["log"], errors="replace") as log:
-                print("".join(log.readlines()[-LOG_TAIL_LINES:]), end="", flush=True)
-        print(f"learn: {summary_line(result)}", flush=True)
-        with open(os.path.join(out_dir, "learn.json"), "w") as file:
-            json.dump({**context, "games": results}, file, indent=2)
-            file.write("\n")
-        if result["interrupted"]:
+        runs = []
+        for run in range(1, config.runs + 1):
+            result = run_game(config, game, out_dir, run)
+            runs.append(result)
+            results.append(result)
+            plot(runs, os.path.join(out_dir, f"learn-{file_name(game)}.png"))
+            if failed(result):
+                # A run that failed rather than ran out of time shows why, here.
+                with open(result["log"], errors="replace") as log:
+                    print("".join(log.readlines()[-LOG_TAIL_LINES:]), end="", flush=True)
+            print(f"learn: {summary_line(result, config.runs)}", flush=True)
+            interrupted = result["interrupted"]
+            write_report(out_dir, context, results, summaries)
+            if interrupted:
+                break
+        if config.runs > 1 and runs[0]["target"] is not None:
+            summaries.append(summarize(runs))
+            print(f"learn: {summary_of_runs(summaries[-1])}", flush=True)
+            write_report(out_dir, context, results, summaries)
+        if interrupted:
             break
     print(f"learn: wrote {os.path.join(out_dir, 'learn.json')}", flush=True)
     targets = [r for r in results if r["target"] is not None]
     return 0 if all(r["reached"] for r in targets) else 1
+
+
+def write_report(
+    out_dir: str,
+    context: dict[str, Any],
+    results: list[dict[str, Any]],
+    summaries: list[dict[str, Any]],
+) -> None:
+    """learn.json as it stands: rewritten after every run, so a stopped benchmark keeps
+    what it measured."""
+    with open(os.path.join(out_dir, "learn.json"), "w") as file:
+        json.dump({**context, "games": results, "summaries": summaries}, file, indent=2)
+        file.write("\n")
 
 
 if __name__ == "__main__":

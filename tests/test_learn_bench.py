@@ -1,7 +1,8 @@
 """The learning benchmark (bench/learn.py): the README's train command to a score.
 
-A CartPole run reaches its target through the real path (run_local.sh, the
-learner, actor processes, the greedy check) and is reported whole; a Pong
+Two CartPole runs reach their target through the real path (run_local.sh, the
+learner, actor processes, the greedy check) and are reported whole, each and
+their median; a Pong
 run that cannot reach its target is stopped at its time limit, or by the
 user's SIGTERM, and still reports its curve; a run whose learner refuses
 its flags says so and why.
@@ -32,7 +33,7 @@ def run_learn(out_dir, *args: str, timeout: float) -> tuple[int, str, dict]:
     return completed.returncode, completed.stdout + completed.stderr, report
 
 
-def test_a_run_that_reaches_its_target_reports_minutes_frames_and_its_curve(tmp_path):
+def test_runs_that_reach_their_target_report_minutes_frames_curves_and_median(tmp_path):
     code, output, report = run_learn(
         tmp_path,
         "--games",
@@ -41,28 +42,65 @@ def test_a_run_that_reaches_its_target_reports_minutes_frames_and_its_curve(tmp_
         "150",
         "--time-limit-min",
         "8",
+        "--runs",
+        "2",
         # CartPole can reach 150 within seconds of training: a record each half
         # second gives the curve several points however fast it learns.
         "--learner-flags=--log-interval-s=0.5",
-        timeout=600,
+        timeout=900,
     )
     assert code == 0, output[-3000:]
-    (game,) = report["games"]
-    assert game["reached"], output[-3000:]
-    assert game["env_id"] == "classic:CartPole-v1" and game["target"] == 150
-    assert 0 < game["minutes_to_target"] <= 8
-    assert game["env_frames_to_target"] > 0
-    # The learner stopped only once its greedy episodes reached the target too.
-    assert game["greedy_check_returns"] and game["greedy_check_returns"][-1] >= 150
-    curve = game["curve"]
-    assert len(curve) >= 3
-    assert [p["env_frames"] for p in curve] == sorted(p["env_frames"] for p in curve)
-    assert curve[-1]["minutes"] <= game["minutes_to_target"]
-    assert game["learner_settings"]["env"] == "classic:CartPole-v1"
-    assert game["learner_settings"]["stop_at_return"] == 150
+    assert [game["run"] for game in report["games"]] == [1, 2]
+    for game in report["games"]:
+        assert game["reached"], output[-3000:]
+        assert game["env_id"] == "classic:CartPole-v1" and game["target"] == 150
+        assert 0 < game["minutes_to_target"] <= 8
+        assert game["env_frames_to_target"] > 0
+        # The learner stopped only once its greedy episodes reached the target too.
+        assert game["greedy_check_returns"] and game["greedy_check_returns"][-1] >= 150
+        curve = game["curve"]
+        assert len(curve) >= 3
+        assert [p["env_frames"] for p in curve] == sorted(p["env_frames"] for p in curve)
+        assert curve[-1]["minutes"] <= game["minutes_to_target"]
+        assert game["learner_settings"]["env"] == "classic:CartPole-v1"
+        assert game["learner_settings"]["stop_at_return"] == 150
+        # Each run has a directory of its own: the second did not resume the first.
+        assert game["learner_settings"]["run_dir"].endswith(
+            f"run-classic-CartPole-v1-{game['run']}"
+        )
+    first, second = report["games"]
+    (summary,) = report["summaries"]
+    assert summary["runs"] == 2 and summary["reached"] == 2
+    assert summary["minutes_to_target"] == [first["minutes_to_target"], second["minutes_to_target"]]
+    assert (
+        summary["median_minutes_to_target"]
+        == (first["minutes_to_target"] + second["minutes_to_target"]) / 2
+    )
     assert report["commit"] and report["machine"]["logical_cores"] >= 1
     assert (tmp_path / "learn-classic-CartPole-v1.png").read_bytes()[:8] == PNG_MAGIC
-    assert "150 reached in" in output
+    assert "150 reached in 2 of 2 runs" in output, output[-3000:]
+
+
+def test_the_median_of_runs_counts_a_run_short_of_the_target_as_the_longest():
+    assert learn.median_reached([40.0, None, 30.0]) == 40.0
+    assert learn.median_reached([30.0, None, None]) is None
+    assert learn.median_reached([30.0, 50.0]) == 40.0
+    assert learn.median_reached([30.0, None]) is None
+    assert learn.median_reached([12.5]) == 12.5
+    assert learn.median_reached([None]) is None
+
+
+def test_runs_below_one_are_refused(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.learn", "--out-dir", str(tmp_path), "--runs", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 2
+    assert "--runs must be 1 or more, not 0" in completed.stderr
+    assert not (tmp_path / "learn.json").exists()
 
 
 def test_a_run_out_of_time_is_stopped_and_still_reports_its_curve(tmp_path):
