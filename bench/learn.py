@@ -302,6 +302,8 @@ def plot_status(results: list[dict[str, Any]]) -> str:
     """The plot's title after the env id: the time to the target, or the runs' length."""
     if len(results) > 1:
         summary = summarize(results)
+        if summary["target"] is None:
+            return f"{summary['runs']} runs"
         reached = f"{summary['reached']} of {summary['runs']} runs reached {summary['target']:g}"
         if summary["median_minutes_to_target"] is None:
             return reached
@@ -318,11 +320,15 @@ def plot_status(results: list[dict[str, Any]]) -> str:
 def median_reached(values: list[float | None]) -> float | None:
     """The median of runs' figures to a target, a run that did not reach it (None) counting
     as longer than any that did; None when the median falls on such a run."""
-    ordered = sorted(values, key=lambda value: (value is None, value or 0.0))
-    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
+    middle = _middle(sorted(values, key=lambda value: (value is None, value or 0.0)))
     if not middle or any(value is None for value in middle):
         return None
     return sum(middle) / len(middle)
+
+
+def _middle(ordered: list[Any]) -> list[Any]:
+    """The middle one of an odd number of sorted values, the middle two of an even number."""
+    return ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -341,7 +347,17 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "median_minutes_to_target": median_reached(minutes),
         "median_env_frames_to_target": None if median_frames is None else round(median_frames),
         "final_return_means": [r["final_return_mean"] for r in results],
+        "median_returns_at_minutes": {
+            mark: median_of([r["returns_at_minutes"][mark] for r in results])
+            for mark in results[0]["returns_at_minutes"]
+        },
     }
+
+
+def median_of(values: list[float | None]) -> float | None:
+    """The median of the runs that have a value (a run that ended before a mark has none)."""
+    middle = _middle(sorted(value for value in values if value is not None))
+    return sum(middle) / len(middle) if middle else None
 
 
 def failed(result: dict[str, Any]) -> bool:
@@ -376,7 +392,13 @@ def summary_line(result: dict[str, Any], runs: int = 1) -> str:
 
 def summary_of_runs(summary: dict[str, Any]) -> str:
     """A game's several runs in one line: how many reached the target, each one's minutes,
-    and the median."""
+    and the median; without a target, the median 100-episode mean at each mark."""
+    if summary["target"] is None:
+        reads = ", ".join(
+            f"{m} min {'-' if v is None else f'{v:.1f}'}"
+            for m, v in summary["median_returns_at_minutes"].items()
+        )
+        return f"{summary['env_id']}: {summary['runs']} runs; median 100-episode mean at {reads}"
     each = ", ".join("-" if m is None else f"{m:.1f}" for m in summary["minutes_to_target"])
     median = summary["median_minutes_to_target"]
     if median is None:
@@ -419,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_report(out_dir, context, results, summaries)
             if interrupted:
                 break
-        if config.runs > 1 and runs[0]["target"] is not None:
+        if config.runs > 1:
             summaries.append(summarize(runs))
             print(f"learn: {summary_of_runs(summaries[-1])}", flush=True)
             write_report(out_dir, context, results, summaries)

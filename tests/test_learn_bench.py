@@ -90,6 +90,56 @@ def test_the_median_of_runs_counts_a_run_short_of_the_target_as_the_longest():
     assert learn.median_reached([None]) is None
 
 
+def _a_run(run: int, returns: list[float], minutes: float) -> dict:
+    """A result as run_game reports it, for a game without a target."""
+    curve = [
+        {
+            "minutes": minutes * (i + 1) / len(returns),
+            "env_frames": 100_000 * (i + 1),
+            "episode_return_mean": value,
+            "stop_check_return": None,
+            "fps": 6000.0,
+        }
+        for i, value in enumerate(returns)
+    ]
+    return {
+        "game": "Breakout",
+        "run": run,
+        "env_id": "atari:Breakout",
+        "target": None,
+        "reached": False,
+        "minutes_to_target": None,
+        "env_frames_to_target": None,
+        "minutes_run": minutes,
+        "final_return_mean": returns[-1],
+        "returns_at_minutes": {f"{m:g}": learn.return_at(curve, m) for m in learn.READ_AT_MINUTES},
+        "random_score": 1.7,
+        "human_score": 30.5,
+        "curve": curve,
+    }
+
+
+def test_runs_of_a_game_without_a_target_report_the_median_at_each_mark(tmp_path):
+    # Three runs of 60 minutes and one cut short at 20: a mark a run did not live to is
+    # the median of the runs that did.
+    runs = [
+        _a_run(1, [2.0, 10.0, 30.0, 80.0], 60.0),
+        _a_run(2, [2.0, 12.0, 40.0, 90.0], 60.0),
+        _a_run(3, [2.0, 8.0, 20.0, 60.0], 60.0),
+        _a_run(4, [2.0, 5.0], 20.0),
+    ]
+    summary = learn.summarize(runs)
+    assert summary["runs"] == 4 and summary["reached"] == 0
+    assert summary["median_minutes_to_target"] is None
+    assert summary["median_returns_at_minutes"] == {"15": 2.0, "30": 10.0, "60": 80.0}
+    line = learn.summary_of_runs(summary)
+    assert line == (
+        "atari:Breakout: 4 runs; median 100-episode mean at 15 min 2.0, 30 min 10.0, 60 min 80.0"
+    )
+    learn.plot(runs, str(tmp_path / "learn-Breakout.png"))
+    assert (tmp_path / "learn-Breakout.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_runs_below_one_are_refused(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "bench.learn", "--out-dir", str(tmp_path), "--runs", "0"],
