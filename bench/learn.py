@@ -365,11 +365,13 @@ def failed(result: dict[str, Any]) -> bool:
     return result["exit_code"] not in (0, None)
 
 
+def read_at_marks(returns: dict[str, float | None]) -> str:
+    """{"15": 5.6, "30": None} -> "15 min 5.6, 30 min -"."""
+    return ", ".join(f"{m} min {'-' if v is None else f'{v:.1f}'}" for m, v in returns.items())
+
+
 def summary_line(result: dict[str, Any], runs: int = 1) -> str:
-    reads = ", ".join(
-        f"{m} min {'-' if v is None else f'{v:.1f}'}"
-        for m, v in result["returns_at_minutes"].items()
-    )
+    reads = read_at_marks(result["returns_at_minutes"])
     if result["reached"]:
         head = (
             f"{result['target']:g} reached in {result['minutes_to_target']:.1f} min, "
@@ -394,10 +396,7 @@ def summary_of_runs(summary: dict[str, Any]) -> str:
     """A game's several runs in one line: how many reached the target, each one's minutes,
     and the median; without a target, the median 100-episode mean at each mark."""
     if summary["target"] is None:
-        reads = ", ".join(
-            f"{m} min {'-' if v is None else f'{v:.1f}'}"
-            for m, v in summary["median_returns_at_minutes"].items()
-        )
+        reads = read_at_marks(summary["median_returns_at_minutes"])
         return f"{summary['env_id']}: {summary['runs']} runs; median 100-episode mean at {reads}"
     each = ", ".join("-" if m is None else f"{m:.1f}" for m in summary["minutes_to_target"])
     median = summary["median_minutes_to_target"]
