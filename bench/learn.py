@@ -63,8 +63,9 @@ class LearnConfig:
     time_limit_min: float = 60.0
     """Longest wall-clock time a run lasts, set-up and compilation included."""
     runs: int = 1
-    """Runs of each game, one after another; the summary gives each run's minutes and env
-    frames to the target and their median."""
+    """Runs of each game, one after another, run i with the learner's --seed i-1 unless
+    --learner-flags sets one; the summary gives each run's minutes and env frames to the
+    target and their median."""
     stop_eval_episodes: int = 10
     """Greedy episodes that must also reach the target before the learner stops."""
     env_options: str = ""
@@ -143,6 +144,15 @@ def run_name(config: LearnConfig, game: str, run: int) -> str:
     return file_name(game) if config.runs == 1 else f"{file_name(game)}-{run}"
 
 
+def run_seed(flags: list[str], run: int) -> list[str]:
+    """The learner flags of run `run`: its own seed (run 1 the learner's default, 0), so
+    several runs sample the initialisation's spread as well as the asynchrony's, unless the
+    flags name a seed, which every run then shares."""
+    if any(flag == "--seed" or flag.startswith("--seed=") for flag in flags):
+        return flags
+    return flags if run == 1 else [*flags, "--seed", str(run - 1)]
+
+
 def run_game(config: LearnConfig, game: str, out_dir: str, run: int = 1) -> dict[str, Any]:
     """Runs scripts/run_local.sh on `game` to its target or the time limit."""
     target = config.target if config.target is not None else DEFAULT_TARGETS.get(game)
@@ -154,7 +164,7 @@ def run_game(config: LearnConfig, game: str, out_dir: str, run: int = 1) -> dict
     command = [os.path.join(machine.ROOT, "scripts", "run_local.sh"), env_id]
     if config.num_actors or config.envs_per_actor:
         command += [str(config.num_actors or 4), str(config.envs_per_actor or 8)]
-    flags = [flag for value in config.learner_flags for flag in shlex.split(value)]
+    flags = run_seed([flag for value in config.learner_flags for flag in shlex.split(value)], run)
     if target is not None:
         flags += [
             "--stop-at-return",

@@ -64,6 +64,8 @@ def test_runs_that_reach_their_target_report_minutes_frames_curves_and_median(tm
         assert curve[-1]["minutes"] <= game["minutes_to_target"]
         assert game["learner_settings"]["env"] == "classic:CartPole-v1"
         assert game["learner_settings"]["stop_at_return"] == 150
+        # Each run starts from an initialisation of its own.
+        assert game["learner_settings"]["seed"] == game["run"] - 1
         # Each run has a directory of its own: the second did not resume the first.
         assert game["learner_settings"]["run_dir"].endswith(
             f"run-classic-CartPole-v1-{game['run']}"
@@ -79,6 +81,13 @@ def test_runs_that_reach_their_target_report_minutes_frames_curves_and_median(tm
     assert report["commit"] and report["machine"]["logical_cores"] >= 1
     assert (tmp_path / "learn-classic-CartPole-v1.png").read_bytes()[:8] == PNG_MAGIC
     assert "150 reached in 2 of 2 runs" in output, output[-3000:]
+
+
+def test_a_seed_in_the_learner_flags_is_every_runs_seed():
+    assert learn.run_seed(["--batch-passes", "3"], 1) == ["--batch-passes", "3"]
+    assert learn.run_seed(["--batch-passes", "3"], 3) == ["--batch-passes", "3", "--seed", "2"]
+    assert learn.run_seed(["--seed", "7"], 2) == ["--seed", "7"]
+    assert learn.run_seed(["--seed=7"], 2) == ["--seed=7"]
 
 
 def test_the_median_of_runs_counts_a_run_short_of_the_target_as_the_longest():
