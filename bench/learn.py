@@ -22,6 +22,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -330,15 +331,11 @@ def plot_status(results: list[dict[str, Any]]) -> str:
 def median_reached(values: list[float | None]) -> float | None:
     """The median of runs' figures to a target, a run that did not reach it (None) counting
     as longer than any that did; None when the median falls on such a run."""
-    middle = _middle(sorted(values, key=lambda value: (value is None, value or 0.0)))
+    ordered = sorted(values, key=lambda value: (value is None, value or 0.0))
+    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
     if not middle or any(value is None for value in middle):
         return None
     return sum(middle) / len(middle)
-
-
-def _middle(ordered: list[Any]) -> list[Any]:
-    """The middle one of an odd number of sorted values, the middle two of an even number."""
-    return ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -366,8 +363,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def median_of(values: list[float | None]) -> float | None:
     """The median of the runs that have a value (a run that ended before a mark has none)."""
-    middle = _middle(sorted(value for value in values if value is not None))
-    return sum(middle) / len(middle) if middle else None
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
 
 
 def failed(result: dict[str, Any]) -> bool:
