@@ -177,7 +177,9 @@ class Learner:
             on_failure=self._fail,
         )
         self.trainer = Trainer(
-            update_fn=learning.make_update_fn(agent, optimizer, settings, self.placement),
+            update_fn=learning.SampledKlUpdate(
+                agent, optimizer, settings, self.placement, guarded=False
+            ),
             state=state,
             unrolls=self.unrolls,
             batch_size=self.local_batch,

@@ -187,6 +187,48 @@ def test_an_update_with_a_nan_leaves_the_state_as_it_was():
         np.testing.assert_array_equal(np.asarray(before), np.asarray(kept))
 
 
+def test_an_unguarded_update_with_a_nan_says_so_and_steps_anyway():
+    """guarded=False leaves keeping the state to the caller (the trainer): the step comes
+    back stepped, with `finite` False, and is the guarded one's wherever it is finite."""
+    rng = np.random.default_rng(1)
+    guarded, state = mlp_update()
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
+    unguarded = learning.make_update_fn(make_agent(network), optimizer, SETTINGS, guarded=False)
+    batch = random_batch(rng)
+    (stepped, metrics), (kept, _) = unguarded(state, batch), guarded(state, batch)
+    assert bool(metrics["finite"])
+    for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(kept), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    observations = np.array(batch.observations)
+    observations[3, 1, 0] = np.nan
+    stepped, metrics = unguarded(state, batch._replace(observations=observations))
+    assert not bool(metrics["finite"]) and int(stepped.updates) == 1
+
+
+def test_the_sampled_kl_update_measures_the_kl_on_every_kth_step_only():
+    """SampledKlUpdate: kl_update on calls 0, k, 2k...; every call the same step as
+    make_update_fn's (the KL's forward pass changes no parameter)."""
+    rng = np.random.default_rng(2)
+    update, state = mlp_update()
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
+    sampled = learning.SampledKlUpdate(make_agent(network), optimizer, SETTINGS, every=3)
+    sampled_state, measured = state, []
+    for _ in range(7):
+        batch = random_batch(rng)
+        state, metrics = update(state, batch)
+        sampled_state, sampled_metrics = sampled(sampled_state, batch)
+        measured.append("kl_update" in sampled_metrics)
+        if "kl_update" in sampled_metrics:
+            assert float(sampled_metrics["kl_update"]) == pytest.approx(
+                float(metrics["kl_update"]), rel=1e-4, abs=1e-9
+            )
+        for a, b in zip(jax.tree.leaves(sampled_state), jax.tree.leaves(state), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert measured == [True, False, False, True, False, False, True]
+
+
 @pytest.mark.parametrize(
     ("name", "observation"),
     [

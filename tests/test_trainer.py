@@ -149,6 +149,34 @@ def test_nonfinite_updates_are_skipped_then_stop_the_trainer():
     assert trainer._stats.counters()["skipped_updates"] == 3
 
 
+def test_the_trainer_keeps_its_state_when_an_unguarded_update_is_not_finite():
+    """An update_fn that returns its stepped state even when not finite (make_update_fn's
+    guarded=False): the trainer drops that state and keeps, and publishes, the last good one."""
+    outcomes = iter([True, False, True])
+
+    def unguarded_update(state, batch):
+        stepped, metrics = fake_update(state, batch)
+        if next(outcomes):
+            return stepped._replace(params={"w": state.params["w"] + 1}), metrics
+        poisoned = stepped._replace(params={"w": float("nan")})
+        return poisoned, {**metrics, "loss": np.float32("nan"), "finite": np.bool_(False)}
+
+    parameters = ParameterSource({"w": 0}, version=0)
+    failures: list = []
+    trainer = train_batches(
+        unguarded_update,
+        3,
+        parameters,
+        failures,
+        lambda: parameters.latest()[1] == 2,
+        "two good updates",
+    )
+    assert not failures
+    assert parameters.latest() == ({"w": 3}, 2)  # 1 + two good steps; the NaN one dropped
+    assert trainer.state.params == {"w": 3} and int(trainer.state.updates) == 2
+    assert trainer._stats.counters()["skipped_updates"] == 1
+
+
 def test_a_finite_update_resets_the_count_of_skipped_ones():
     outcomes = iter([False, False, True, False, False, True])
 

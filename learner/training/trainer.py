@@ -142,8 +142,11 @@ class Trainer:
             )
             return
         columns = minibatch_columns(example.actions.shape[1], self._minibatches)[0]
-        minibatch = jax.tree.map(lambda x: x[:, columns], example)
-        jax.block_until_ready(self._update_fn(self.state, self._placement.put_batch(minibatch)))
+        minibatch = self._placement.put_batch(jax.tree.map(lambda x: x[:, columns], example))
+        if hasattr(self._update_fn, "warm_up"):
+            self._update_fn.warm_up(self.state, minibatch)
+        else:
+            jax.block_until_ready(self._update_fn(self.state, minibatch))
 
     @property
     def coordinated(self) -> bool:
@@ -333,10 +336,13 @@ class Trainer:
             for columns in parts
         ]
         for index, columns in enumerate(order):
-            self.state, step = self._update_fn(self.state, on_device[index % len(parts)])
+            # A step that was not finite is dropped here: the state stays the one passed in
+            # (update_fn need not guard it, learning.make_update_fn).
+            stepped, step = self._update_fn(self.state, on_device[index % len(parts)])
             if self._account(
                 jax.device_get(step), version, trajectories, columns, versions, owners
             ):
+                self.state = stepped
                 version += 1
                 self._publish(version)
         self._stats.add("learning_rate", learning_rate)
