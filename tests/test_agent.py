@@ -114,12 +114,13 @@ def random_batch(rng, steps=6, batch=4, obs=3, actions=2):
     )
 
 
-def mlp_update():
-    """A jitted V-trace update of a small MLP agent, and its initial state."""
+def mlp_update(make=learning.make_update_fn, **options):
+    """A jitted V-trace update of a small MLP agent (`make`'s, with `options`), and its
+    initial state."""
     network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
     params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
     optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
-    update = learning.make_update_fn(make_agent(network), optimizer, SETTINGS)
+    update = make(make_agent(network), optimizer, SETTINGS, **options)
     state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
     return update, state
 
@@ -192,9 +193,7 @@ def test_an_unguarded_update_with_a_nan_says_so_and_steps_anyway():
     back stepped, with `finite` False, and is the guarded one's wherever it is finite."""
     rng = np.random.default_rng(1)
     guarded, state = mlp_update()
-    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
-    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
-    unguarded = learning.make_update_fn(make_agent(network), optimizer, SETTINGS, guarded=False)
+    unguarded, _ = mlp_update(guarded=False)
     batch = random_batch(rng)
     (stepped, metrics), (kept, _) = unguarded(state, batch), guarded(state, batch)
     assert bool(metrics["finite"])
@@ -211,9 +210,7 @@ def test_the_sampled_kl_update_measures_the_kl_on_every_kth_step_only():
     make_update_fn's (the KL's forward pass changes no parameter)."""
     rng = np.random.default_rng(2)
     update, state = mlp_update()
-    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
-    optimizer = learning.make_optimizer("adam", 1e-2, max_grad_norm=40.0, epsilon=1e-8)
-    sampled = learning.SampledKlUpdate(make_agent(network), optimizer, SETTINGS, every=3)
+    sampled, _ = mlp_update(learning.SampledKlUpdate, every=3)
     sampled_state, measured = state, []
     for _ in range(7):
         batch = random_batch(rng)
