@@ -80,6 +80,10 @@ class LearnerConfig:
     mini-map, mlp for vectors."""
     mlp_hidden_sizes: tuple[int, ...] = (64, 64)
     """Layer sizes of the mlp torso."""
+    torso_hidden_size: int = 0
+    """Units of an image torso's last (dense) layer; 0: the torso's own (256 for
+    compact_cnn, impala_resnet and smm_cnn, 512 for nature_cnn). On a CPU that layer holds
+    most of the compact CNN's parameters and a third of its update's arithmetic."""
     lstm_size: int = 0
     """Units of an LSTM core between the torso and the heads (a recurrent agent whose state
     the learner keeps per env); 0: feed-forward."""
@@ -266,6 +270,14 @@ class LearnerConfig:
             f"policy_clip {self.policy_clip} must be in (0, 1), or None for no clip",
         )
         require(self.lstm_size >= 0, "lstm_size must not be negative (0: no LSTM)")
+        require(
+            self.torso_hidden_size >= 0,
+            "torso_hidden_size must not be negative (0: the torso's own size)",
+        )
+        require(
+            not (self.torso_hidden_size and self.network == "mlp"),
+            "torso_hidden_size sizes an image torso; the mlp network's layers are mlp_hidden_sizes",
+        )
         require(self.batch_size_per_device >= 0, "batch_size_per_device must not be negative")
         require(
             self.learning_rate_base_batch >= 0,

@@ -94,7 +94,11 @@ class Learner:
         check_network_fits(config.network, model_observation.dtype, model_observation.shape)
         self.placement, self.global_batch, self.local_batch = placement_for(config)
         network = make_network(
-            config.network, spec.action.num_actions, config.mlp_hidden_sizes, config.lstm_size
+            config.network,
+            spec.action.num_actions,
+            config.mlp_hidden_sizes,
+            config.lstm_size,
+            config.torso_hidden_size,
         )
         agent = self.agent = make_agent(network)
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))

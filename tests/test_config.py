@@ -65,11 +65,18 @@ def test_unknown_preset_is_a_clear_error():
         ("minibatches", 0, "must divide batch_size"),
         ("policy_clip", 1.5, "must be in \\(0, 1\\)"),
         ("policy_clip", 0.0, "must be in \\(0, 1\\)"),
+        ("torso_hidden_size", -1, "torso_hidden_size must not be negative"),
     ],
 )
 def test_bad_values_say_why(field, value, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(LearnerConfig(), **{field: value})
+
+
+def test_torso_hidden_size_is_refused_for_the_mlp_network():
+    with pytest.raises(ValueError, match="mlp_hidden_sizes"):
+        LearnerConfig(network="mlp", torso_hidden_size=128)
+    assert LearnerConfig(network="compact_cnn", torso_hidden_size=128).torso_hidden_size == 128
 
 
 def test_every_field_has_a_flag(capsys):

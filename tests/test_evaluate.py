@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import jax
+import numpy as np
 import pytest
 
 from learner.inference.player import quotas
-from learner.tools.evaluate import EvalConfig
+from learner.tools.evaluate import EvalConfig, network_of_run
 from tests.fleet import ROOT
 
 EVAL = str(ROOT / ".venv" / "bin" / "seedrl-eval")
@@ -49,6 +51,18 @@ def test_a_run_without_checkpoints_says_so(tmp_path):
     result = run("--run-dir", str(tmp_path), "--episodes", "1")
     assert result.returncode == 1
     assert "no complete checkpoint under" in result.stderr
+
+
+def test_the_network_is_the_one_the_run_trained():
+    """seedrl-eval rebuilds the run's network from its config.json, its sizes included,
+    or the checkpoint's parameters would not fit."""
+    run = {"env": "atari:Pong", "network": "compact_cnn_centered", "torso_hidden_size": 64}
+    network = network_of_run(run, num_actions=6)
+    params = network.init(jax.random.key(0), np.zeros((1, 4, 42, 42), np.uint8))
+    assert params["params"]["torso"]["Dense_0"]["kernel"].shape == (2592, 64)
+    older = network_of_run({"env": "atari:Pong", "network": "compact_cnn"}, num_actions=6)
+    params = older.init(jax.random.key(0), np.zeros((1, 4, 42, 42), np.uint8))
+    assert params["params"]["torso"]["Dense_0"]["kernel"].shape == (2592, 256)
 
 
 def test_usage_without_a_run_dir():

@@ -112,6 +112,36 @@ def test_actor_critic_heads_have_the_expected_shapes():
     assert output.values.shape == (2,)
 
 
+@pytest.mark.parametrize(
+    ("name", "shape", "own_size"),
+    [
+        ("compact_cnn_centered", (1, 4, 42, 42), 256),
+        ("nature_cnn", (1, 4, 84, 84), 512),
+        ("impala_resnet", (1, 4, 42, 42), 256),
+        ("smm_cnn", (1, 72, 96, 2), 256),
+    ],
+)
+def test_torso_hidden_size_sizes_the_image_torsos_last_layer(name, shape, own_size):
+    observation = np.zeros(shape, np.uint8)
+
+    def last_layer_units(torso_hidden_size: int) -> int:
+        network = make_network(name, num_actions=6, torso_hidden_size=torso_hidden_size)
+        params = network.init(jax.random.key(0), observation)
+        dense = [leaves for layer, leaves in params["params"]["torso"].items() if "Dense" in layer]
+        assert len(dense) == 1, params["params"]["torso"].keys()
+        output = network.apply(params, observation)
+        assert output.logits.shape == (1, 6)
+        return dense[0]["kernel"].shape[-1]
+
+    assert last_layer_units(0) == own_size
+    assert last_layer_units(96) == 96
+
+
+def test_torso_hidden_size_is_refused_for_the_mlp():
+    with pytest.raises(ValueError, match="mlp_hidden_sizes"):
+        make_network("mlp", num_actions=2, torso_hidden_size=32)
+
+
 @pytest.mark.parametrize("name", ["nature_cnn", "compact_cnn", "smm_cnn"])
 def test_relu_torso_kernels_start_orthogonal_with_relus_gain(name):
     """Each ReLU layer of the convolutional torsos starts with W^T W = 2 I (fan-in rows

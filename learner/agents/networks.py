@@ -83,9 +83,11 @@ def _nature_layers(x: jax.Array, hidden_size: int) -> jax.Array:
 class NatureCNN(nn.Module):
     """The DQN torso of Mnih et al. 2015: three convolutions and a 512-unit layer."""
 
+    hidden_size: int = 512
+
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        return _nature_layers(_images_to_float(observations), hidden_size=512)
+        return _nature_layers(_images_to_float(observations), hidden_size=self.hidden_size)
 
 
 def _background_shade(x: jax.Array) -> jax.Array:
@@ -122,7 +124,7 @@ def _centered_frames(x: jax.Array) -> jax.Array:
 
 
 class CompactCNN(nn.Module):
-    """Two strided convolutions (16 of 4x4/2, 32 of 4x4/2) and a 256-unit layer.
+    """Two strided convolutions (16 of 4x4/2, 32 of 4x4/2) and a dense layer (256 units).
 
     Sized for 42x42 frames (atari:GAME/42x42), where it costs about a quarter
     of the Nature CNN's update at 84x84: on a CPU the update's arithmetic
@@ -131,6 +133,7 @@ class CompactCNN(nn.Module):
     """
 
     centered: bool = False
+    hidden_size: int = 256
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
@@ -140,7 +143,7 @@ class CompactCNN(nn.Module):
         x = _ConvReLU(16, (4, 4), (2, 2), name="Conv_0")(x)
         x = _ConvReLU(32, (4, 4), (2, 2), name="Conv_1")(x)
         x = x.reshape(x.shape[0], -1)
-        return nn.relu(nn.Dense(256, kernel_init=_relu_init)(x))
+        return nn.relu(nn.Dense(self.hidden_size, kernel_init=_relu_init)(x))
 
 
 class _ResidualBlock(nn.Module):
@@ -188,9 +191,11 @@ class SMMCNN(nn.Module):
     deeper choice on accelerators.
     """
 
+    hidden_size: int = 256
+
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        return _nature_layers(_unpack_bits(observations), hidden_size=256)
+        return _nature_layers(_unpack_bits(observations), hidden_size=self.hidden_size)
 
 
 class MLP(nn.Module):
@@ -370,19 +375,24 @@ def make_network(
     num_actions: int,
     mlp_hidden_sizes: Sequence[int] = (64, 64),
     lstm_size: int = 0,
+    torso_hidden_size: int = 0,
 ) -> ActorCritic | RecurrentActorCritic:
-    """The torso `name` and the heads; with `lstm_size`, an LSTM core between them."""
+    """The torso `name` and the heads; with `lstm_size`, an LSTM core between them.
+    `torso_hidden_size`: units of an image torso's last layer (0: the torso's own)."""
     hidden = tuple(mlp_hidden_sizes)
+    sized = {"hidden_size": torso_hidden_size} if torso_hidden_size else {}
     torsos = {
-        "nature_cnn": NatureCNN,
-        "compact_cnn": CompactCNN,
-        "compact_cnn_centered": lambda: CompactCNN(centered=True),
-        "impala_resnet": ImpalaResNet,
-        "smm_cnn": SMMCNN,
+        "nature_cnn": lambda: NatureCNN(**sized),
+        "compact_cnn": lambda: CompactCNN(**sized),
+        "compact_cnn_centered": lambda: CompactCNN(centered=True, **sized),
+        "impala_resnet": lambda: ImpalaResNet(**sized),
+        "smm_cnn": lambda: SMMCNN(**sized),
         "mlp": lambda: MLP(hidden),
     }
     if name not in torsos:
         raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
+    if torso_hidden_size and name == "mlp":
+        raise ValueError("torso_hidden_size sizes an image torso; the mlp's are mlp_hidden_sizes")
     if lstm_size:
         return RecurrentActorCritic(torsos[name](), num_actions, lstm_size)
     # The feed-forward mlp has a value torso of its own (see ActorCritic).

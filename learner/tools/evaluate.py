@@ -151,13 +151,27 @@ class VideoWriter:
             self._writer = None
 
 
+def network_of_run(run: dict[str, Any], num_actions: int):
+    """The network a run trained, from its config.json (`run`); fields a run of an older
+    version did not write take the defaults it had."""
+    from learner.agents.networks import make_network
+
+    return make_network(
+        run.get("network", "nature_cnn"),
+        num_actions,
+        tuple(run.get("mlp_hidden_sizes", (64, 64))),
+        int(run.get("lstm_size", 0)),
+        int(run.get("torso_hidden_size", 0)),
+    )
+
+
 def evaluate(config: EvalConfig) -> EvalResult:
     import jax
     import numpy as np
 
     from envs import registry
     from learner.agents.agent import make_agent
-    from learner.agents.networks import init_params, make_network
+    from learner.agents.networks import init_params
     from learner.training import checkpoint
 
     run = _run_config(config.run_dir)
@@ -175,13 +189,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
     except TypeError as error:
         raise SystemExit(f"seedrl-eval: {env_id} cannot render a video ({error})") from error
     spec = env.spec
-    lstm_size = int(run.get("lstm_size", 0))
-    network = make_network(
-        run.get("network", "nature_cnn"),
-        spec.action.num_actions,
-        tuple(run.get("mlp_hidden_sizes", (64, 64))),
-        lstm_size,
-    )
+    network = network_of_run(run, spec.action.num_actions)
     model_observation = spec.model_observation
     example = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
     try:
