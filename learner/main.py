@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from learner.agents.networks import NetworkMismatch
     from learner.backends import devices
     from learner.learner import Learner
-    from learner.training.checkpoint import NoCheckpointError
+    from learner.training.checkpoint import CheckpointMismatch, NoCheckpointError
 
     try:
         # Both before JAX starts its backend: the CPU device count, the other processes.
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except NoCheckpointError as error:
         logging.getLogger("learner").error("--init-checkpoint: %s", error)
         sys.exit(2)
-    except NetworkMismatch as error:
+    except (NetworkMismatch, CheckpointMismatch) as error:
         logging.getLogger("learner").error("%s", error)
         sys.exit(2)
     logging.getLogger("learner").info(

@@ -196,7 +196,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
         params, meta = checkpoint.load_params(
             config.run_dir, init_params(network, jax.random.key(0), example), config.checkpoint
         )
-    except checkpoint.NoCheckpointError as error:
+    except (checkpoint.NoCheckpointError, checkpoint.CheckpointMismatch) as error:
         env.close()
         raise SystemExit(f"seedrl-eval: {error}") from error
 

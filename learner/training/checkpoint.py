@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ def this_process_only(ocp: Any) -> Any:
 
 class NoCheckpointError(FileNotFoundError):
     """The run directory has no complete checkpoint (or not the one asked for)."""
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose arrays do not fit the network and optimizer being built: it came
+    from a run with other network settings (--network, --torso-hidden-size, ...)."""
 
 
 class Checkpointer:
@@ -166,7 +172,33 @@ def _restore(run_dir: str, updates: int, **items: Any) -> dict[str, Any]:
             create=False, multiprocessing_options=this_process_only(ocp)
         ),
     ) as manager:
-        return dict(manager.restore(updates, args=ocp.args.Composite(**args)))
+
+        def mismatch(why: str) -> CheckpointMismatch:
+            return CheckpointMismatch(
+                f"the checkpoint of update {updates} under {checkpoint_dir(run_dir)} does not "
+                f"fit the network being built ({why}); give the settings its run trained "
+                "with (its config.json), or another --run-dir for a new run"
+            )
+
+        try:
+            restored = dict(manager.restore(updates, args=ocp.args.Composite(**args)))
+        except (ValueError, KeyError) as error:
+            raise mismatch(str(error)) from error
+    for name, example in items.items():
+        if example is None:
+            continue
+        # orbax restores numpy examples at the stored shapes without a word.
+        for (path, want), got in zip(
+            jax.tree_util.tree_leaves_with_path(example),
+            jax.tree.leaves(restored[name]),
+            strict=True,
+        ):
+            if np.shape(got) != np.shape(want):
+                raise mismatch(
+                    f"{name}{jax.tree_util.keystr(path)}: stored {np.shape(got)}, "
+                    f"built {np.shape(want)}"
+                )
+    return restored
 
 
 def load_state(
