@@ -115,6 +115,24 @@ def test_a_missing_init_checkpoint_is_refused(tmp_path):
     assert "--init-checkpoint: no complete checkpoint under" in result.stderr
 
 
+def test_a_run_resumed_with_another_network_is_refused(tmp_path):
+    """A checkpoint of narrower layers than the flags build stops the learner with the
+    array and both shapes, where orbax would name neither flag nor run."""
+    from learner.agents.networks import make_network
+
+    narrow = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    params = narrow.init(jax.random.key(0), np.zeros((1, 4), np.float32))
+    saver = checkpoint.Checkpointer(str(tmp_path / "run"), interval_s=3600, keep=1)
+    saver.save(5, params, {}, {"env_steps": 100, "episodes": 1})
+    saver.close()
+    result = subprocess.run(
+        learner_argv(CARTPOLE, tmp_path / "run"), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "the checkpoint of update 5" in result.stderr
+    assert "does not fit the network being built" in result.stderr
+
+
 # -- the learner killed --------------------------------------------------------
 
 
