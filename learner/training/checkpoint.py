@@ -156,6 +156,14 @@ def _choose(run_dir: str, updates: int | None) -> int:
     return updates
 
 
+def _mismatch(run_dir: str, updates: int, why: str) -> CheckpointMismatch:
+    return CheckpointMismatch(
+        f"the checkpoint of update {updates} under {checkpoint_dir(run_dir)} does not fit "
+        f"the network being built ({why}); give the settings its run trained with (its "
+        "config.json), or another --run-dir for a new run"
+    )
+
+
 def _restore(run_dir: str, updates: int, **items: Any) -> dict[str, Any]:
     """Restores the named items (abstract trees, or None for the JSON meta)."""
     import orbax.checkpoint as ocp
@@ -172,18 +180,10 @@ def _restore(run_dir: str, updates: int, **items: Any) -> dict[str, Any]:
             create=False, multiprocessing_options=this_process_only(ocp)
         ),
     ) as manager:
-
-        def mismatch(why: str) -> CheckpointMismatch:
-            return CheckpointMismatch(
-                f"the checkpoint of update {updates} under {checkpoint_dir(run_dir)} does not "
-                f"fit the network being built ({why}); give the settings its run trained "
-                "with (its config.json), or another --run-dir for a new run"
-            )
-
         try:
             restored = dict(manager.restore(updates, args=ocp.args.Composite(**args)))
         except (ValueError, KeyError) as error:
-            raise mismatch(str(error)) from error
+            raise _mismatch(run_dir, updates, str(error)) from error
     for name, example in items.items():
         if example is None:
             continue
@@ -194,9 +194,11 @@ def _restore(run_dir: str, updates: int, **items: Any) -> dict[str, Any]:
             strict=True,
         ):
             if np.shape(got) != np.shape(want):
-                raise mismatch(
+                raise _mismatch(
+                    run_dir,
+                    updates,
                     f"{name}{jax.tree_util.keystr(path)}: stored {np.shape(got)}, "
-                    f"built {np.shape(want)}"
+                    f"built {np.shape(want)}",
                 )
     return restored
 
