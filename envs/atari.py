@@ -44,6 +44,7 @@ ATARI_SETTINGS: dict[str, Any] = {
 
 
 MIN_FRAME_SIZE, MAX_FRAME_SIZE = 36, 210
+MIN_FRAME_SKIP, MAX_FRAME_SKIP = 1, 8
 NO_STICKY = "no-sticky"
 
 
@@ -52,7 +53,8 @@ def parse_name(name: str) -> tuple[str, dict[str, Any]]:
 
     After the game, "/"-separated options: SIZExSIZE, square frames of that size (42x42
     without one); no-sticky, no sticky actions (as the v4 "NoFrameskip" envs, for
-    comparing with figures that assume none)."""
+    comparing with figures that assume none); skipN, each agent step repeating its
+    action for N frames (4 without one; sticky actions still act frame by frame)."""
     game, *options = name.split("/")
     settings: dict[str, Any] = {}
     for option in options:
@@ -61,10 +63,15 @@ def parse_name(name: str) -> tuple[str, dict[str, Any]]:
             settings["img_height"] = settings["img_width"] = int(size[1])
         elif option == NO_STICKY:
             settings["repeat_action_probability"] = 0.0
+        elif (skip := re.fullmatch(r"skip(\d+)", option)) and (
+            MIN_FRAME_SKIP <= int(skip[1]) <= MAX_FRAME_SKIP
+        ):
+            settings["frameskip"] = int(skip[1])
         else:
             raise ValueError(
                 f"unknown Atari option {option[:40]!r} in {name[:80]!r}: options are SIZExSIZE "
-                f"(square, {MIN_FRAME_SIZE}..{MAX_FRAME_SIZE}, e.g. {game}/84x84) and {NO_STICKY}"
+                f"(square, {MIN_FRAME_SIZE}..{MAX_FRAME_SIZE}, e.g. {game}/84x84), {NO_STICKY} "
+                f"and skipN (frames per agent step, {MIN_FRAME_SKIP}..{MAX_FRAME_SKIP})"
             )
     return game, settings
 

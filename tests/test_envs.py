@@ -162,9 +162,30 @@ def test_atari_options_set_the_frame_size_and_sticky_actions():
     env = registry.make("atari:Pong/42x42/no-sticky", 2, seed=0)
     assert env.reset().observations.shape == (2, 1, 42, 42)
     env.close()
+    assert parse_name("Pong/skip5") == ("Pong", {"frameskip": 5})
+    assert registry.spec("atari:Pong").frames_per_step == 4
+    assert registry.spec("atari:Pong/skip5").frames_per_step == 5
 
 
-@pytest.mark.parametrize("name", ["Pong/42x43", "Pong/8x8", "Pong/999x999", "Pong/sticky", "Pong/"])
+def test_a_frame_skip_of_n_advances_the_game_n_frames_a_step():
+    """With NOOP only (sticky actions then change nothing) the game is deterministic:
+    25 steps of 4 frames and 20 of 5 reach the same frame, 25 of 5 another."""
+
+    def frame_after(skip: int, steps: int) -> np.ndarray:
+        env = registry.make(f"atari:Pong/skip{skip}", 1, seed=0, settings={"noop_max": 0})
+        env.reset()
+        for _ in range(steps):
+            observations = env.step(np.zeros(1, np.int32)).observations
+        env.close()
+        return observations
+
+    np.testing.assert_array_equal(frame_after(4, 25), frame_after(5, 20))
+    assert not np.array_equal(frame_after(5, 25), frame_after(5, 20))
+
+
+@pytest.mark.parametrize(
+    "name", ["Pong/42x43", "Pong/8x8", "Pong/999x999", "Pong/sticky", "Pong/", "Pong/skip0", "Pong/skip9"]
+)
 def test_unknown_or_out_of_range_atari_options_are_refused_by_name(name):
     with pytest.raises(ValueError, match="options are SIZExSIZE"):
         registry.spec(f"atari:{name}")
