@@ -116,10 +116,12 @@ def curve(records: list[dict[str, Any]], started: float) -> list[dict[str, Any]]
     ]
 
 
-def return_at(points: list[dict[str, Any]], minutes: float) -> float | None:
+def return_at(points: list[dict[str, Any]], minutes: float, lasted: float) -> float | None:
     """The 100-episode mean of the last point at or before `minutes`; None when the run
-    did not last that long."""
-    if not points or points[-1]["minutes"] < minutes:
+    did not last that long. `lasted` is the run's own length in minutes, not its last
+    point's: the learner logs every few seconds, so a run of exactly an hour has its
+    last point just before 60."""
+    if lasted < minutes:
         return None
     before = [p for p in points if p["minutes"] <= minutes and p["episode_return_mean"] is not None]
     return before[-1]["episode_return_mean"] if before else None
@@ -236,7 +238,9 @@ def run_game(config: LearnConfig, game: str, out_dir: str, run: int = 1) -> dict
         "minutes_run": round((ended - started) / 60.0, 2),
         "env_frames_run": final.get("env_frames"),
         "final_return_mean": final.get("episode_return_mean"),
-        "returns_at_minutes": {f"{m:g}": return_at(points, m) for m in READ_AT_MINUTES},
+        "returns_at_minutes": {
+            f"{m:g}": return_at(points, m, (ended - started) / 60.0) for m in READ_AT_MINUTES
+        },
         "random_score": random_score,
         "human_score": human,
         "exit_code": exit_code,

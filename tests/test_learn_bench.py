@@ -121,7 +121,9 @@ def _a_run(run: int, returns: list[float], minutes: float) -> dict:
         "env_frames_to_target": None,
         "minutes_run": minutes,
         "final_return_mean": returns[-1],
-        "returns_at_minutes": {f"{m:g}": learn.return_at(curve, m) for m in learn.READ_AT_MINUTES},
+        "returns_at_minutes": {
+            f"{m:g}": learn.return_at(curve, m, minutes) for m in learn.READ_AT_MINUTES
+        },
         "random_score": 1.7,
         "human_score": 30.5,
         "curve": curve,
@@ -235,8 +237,10 @@ def test_returns_are_read_at_the_last_point_before_each_mark():
         {"minutes": 15.1, "episode_return_mean": -10.0},
         {"minutes": 29.0, "episode_return_mean": 5.0},
     ]
-    assert learn.return_at(points, 15.0) == -20.0
-    assert learn.return_at(points, 30.0) is None  # the run ended before 30 minutes
-    assert learn.return_at(points, 0.5) is None
+    assert learn.return_at(points, 15.0, lasted=29.1) == -20.0
+    assert learn.return_at(points, 30.0, lasted=29.1) is None  # the run ended before 30
+    assert learn.return_at(points, 0.5, lasted=29.1) is None
+    # A run cut at its 30-minute limit logs its last point a little before 30.
+    assert learn.return_at(points, 30.0, lasted=30.01) == 5.0
     assert learn.human_normalized("Pong", 14.6) == 1.0
     assert learn.human_normalized("Pong", -20.7) == 0.0
