@@ -184,7 +184,8 @@ def test_a_frame_skip_of_n_advances_the_game_n_frames_a_step():
 
 
 @pytest.mark.parametrize(
-    "name", ["Pong/42x43", "Pong/8x8", "Pong/999x999", "Pong/sticky", "Pong/", "Pong/skip0", "Pong/skip9"]
+    "name",
+    ["Pong/42x43", "Pong/8x8", "Pong/999x999", "Pong/sticky", "Pong/", "Pong/skip0", "Pong/skip9"],
 )
 def test_unknown_or_out_of_range_atari_options_are_refused_by_name(name):
     with pytest.raises(ValueError, match="options are SIZExSIZE"):
