@@ -216,7 +216,7 @@ def run_game(config: LearnConfig, game: str, out_dir: str, run: int = 1) -> dict
             os.killpg(process.pid, signal.SIGTERM)
             process.wait()
             raise
-    ended = time.time()
+    lasted = (time.time() - started) / 60.0
     points = curve(read_records(run_dir), started)
     reached = target is not None and exit_code == 0 and _stopped_at_return(log_path)
     settings = None
@@ -232,15 +232,13 @@ def run_game(config: LearnConfig, game: str, out_dir: str, run: int = 1) -> dict
         "env_id": env_id,
         "target": target,
         "reached": reached,
-        "minutes_to_target": round((ended - started) / 60.0, 2) if reached else None,
+        "minutes_to_target": round(lasted, 2) if reached else None,
         "env_frames_to_target": final.get("env_frames") if reached else None,
         "greedy_check_returns": checks,
-        "minutes_run": round((ended - started) / 60.0, 2),
+        "minutes_run": round(lasted, 2),
         "env_frames_run": final.get("env_frames"),
         "final_return_mean": final.get("episode_return_mean"),
-        "returns_at_minutes": {
-            f"{m:g}": return_at(points, m, (ended - started) / 60.0) for m in READ_AT_MINUTES
-        },
+        "returns_at_minutes": {f"{m:g}": return_at(points, m, lasted) for m in READ_AT_MINUTES},
         "random_score": random_score,
         "human_score": human,
         "exit_code": exit_code,
