@@ -5,8 +5,8 @@
 #   ENV_ID          atari:Pong (default), any atari:GAME (42x42 frames; atari:GAME/84x84 for
 #                   the DQN size), classic:CartPole-v1, counting:v0,
 #                   football:SCENARIO (after scripts/install_football.sh)
-#   NUM_ACTORS      actor processes (default 4)
-#   ENVS_PER_ACTOR  envs each actor steps in lock step (default 8)
+#   NUM_ACTORS      actor processes (default 2)
+#   ENVS_PER_ACTOR  envs each actor steps in lock step (default 16)
 #   LEARNER_FLAGS   passed to seedrl-learner, e.g. -- --total-env-steps 1000000
 # Environment: SEEDRL_PORT (default 8470), SEEDRL_HTTP_PORT (default SEEDRL_PORT+1:
 #   the fleet page and /metrics, on 127.0.0.1), SEEDRL_RUN_DIR (default runs/ENV-TIME).
@@ -37,8 +37,8 @@ while [ $# -gt 0 ]; do
 done
 [ ${#positional[@]} -le 3 ] || fail "too many arguments: ${positional[*]}"
 env=${positional[0]:-atari:Pong}
-num_actors=${positional[1]:-4}
-envs_per_actor=${positional[2]:-8}
+num_actors=${positional[1]:-2}
+envs_per_actor=${positional[2]:-16}
 port=${SEEDRL_PORT:-8470}
 http_port=${SEEDRL_HTTP_PORT:-$((${port//[^0-9]/0} + 1))}
 [[ "$env" == *:* ]] || fail "ENV_ID '$env' is not FAMILY:NAME (for instance atari:Pong)"
