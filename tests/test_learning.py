@@ -137,14 +137,14 @@ BREAKOUT_ENV_STEPS = 600_000  # 2.4M frames
 
 
 def test_breakout_rises_from_random_play_through_the_real_path(tmp_path):
-    """The README's fleet (4 actors x 8 envs over gRPC on loopback) and the Atari preset
+    """The README's fleet (2 actors x 16 envs over gRPC on loopback) and the Atari preset
     train Breakout from random play to a 100-episode mean of 4, which the learner's
     epsilon-greedy check of the parameters of that moment confirms, within 2.4M frames."""
     train(
         tmp_path,
         "atari:Breakout",
-        4,
-        8,
+        2,
+        16,
         "--total-env-steps",
         str(BREAKOUT_ENV_STEPS),
         "--stop-at-return",
