@@ -166,8 +166,8 @@ def run_game(config: LearnConfig, game: str, out_dir: str, run: int = 1) -> dict
     run_dir = os.path.join(out_dir, f"run-{name}")
     command = [os.path.join(machine.ROOT, "scripts", "run_local.sh"), env_id]
     if config.num_actors or config.envs_per_actor:
-        # One given alone takes run_local.sh's default for the other (2 actors x 16 envs).
-        command += [str(config.num_actors or 2), str(config.envs_per_actor or 16)]
+        # An empty argument takes run_local.sh's own default for the one not given.
+        command += [str(config.num_actors or ""), str(config.envs_per_actor or "")]
     flags = run_seed([flag for value in config.learner_flags for flag in shlex.split(value)], run)
     if target is not None:
         flags += [

@@ -6,7 +6,7 @@
 #                   the DQN size), classic:CartPole-v1, counting:v0,
 #                   football:SCENARIO (after scripts/install_football.sh)
 #   NUM_ACTORS      actor processes (default 2)
-#   ENVS_PER_ACTOR  envs each actor steps in lock step (default 16)
+#   ENVS_PER_ACTOR  envs each actor steps in lock step (default 16; either empty: its default)
 #   LEARNER_FLAGS   passed to seedrl-learner, e.g. -- --total-env-steps 1000000
 # Environment: SEEDRL_PORT (default 8470), SEEDRL_HTTP_PORT (default SEEDRL_PORT+1:
 #   the fleet page and /metrics, on 127.0.0.1), SEEDRL_RUN_DIR (default runs/ENV-TIME).
