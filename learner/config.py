@@ -14,7 +14,7 @@ import math
 import time
 from typing import Literal
 
-from learner.agents.networks import NetworkName
+from learner.agents.networks import NetworkName, check_torso_channels
 from learner.backends.devices import device_indices
 from seedrl.transport import KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S, check_keepalive
 
@@ -84,6 +84,9 @@ class LearnerConfig:
     """Units of an image torso's last (dense) layer; 0: the torso's own (256 for
     compact_cnn, impala_resnet and smm_cnn, 512 for nature_cnn). On a CPU that layer holds
     most of the compact CNN's parameters and a third of its update's arithmetic."""
+    torso_channels: tuple[int, ...] = ()
+    """Convolution widths of the compact CNNs (two) or impala_resnet (one per stage); empty:
+    the torso's own (16,32 and 16,32,32)."""
     lstm_size: int = 0
     """Units of an LSTM core between the torso and the heads (a recurrent agent whose state
     the learner keeps per env); 0: feed-forward."""
@@ -278,6 +281,8 @@ class LearnerConfig:
             not (self.torso_hidden_size and self.network == "mlp"),
             "torso_hidden_size sizes an image torso; the mlp network's layers are mlp_hidden_sizes",
         )
+        if self.torso_channels:
+            check_torso_channels(self.network, self.torso_channels)
         require(self.batch_size_per_device >= 0, "batch_size_per_device must not be negative")
         require(
             self.learning_rate_base_batch >= 0,

@@ -99,6 +99,7 @@ class Learner:
             config.mlp_hidden_sizes,
             config.lstm_size,
             config.torso_hidden_size,
+            config.torso_channels,
         )
         agent = self.agent = make_agent(network)
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))

@@ -66,6 +66,7 @@ def test_unknown_preset_is_a_clear_error():
         ("policy_clip", 1.5, "must be in \\(0, 1\\)"),
         ("policy_clip", 0.0, "must be in \\(0, 1\\)"),
         ("torso_hidden_size", -1, "torso_hidden_size must not be negative"),
+        ("torso_channels", (32, 64), "not of nature_cnn"),
     ],
 )
 def test_bad_values_say_why(field, value, message):
@@ -77,6 +78,15 @@ def test_torso_hidden_size_is_refused_for_the_mlp_network():
     with pytest.raises(ValueError, match="mlp_hidden_sizes"):
         LearnerConfig(network="mlp", torso_hidden_size=128)
     assert LearnerConfig(network="compact_cnn", torso_hidden_size=128).torso_hidden_size == 128
+
+
+def test_torso_channels_fit_the_torso():
+    with pytest.raises(ValueError, match="takes 2 torso_channels, got 3"):
+        LearnerConfig(network="compact_cnn_centered", torso_channels=(16, 32, 32))
+    with pytest.raises(ValueError, match="must be positive"):
+        LearnerConfig(network="impala_resnet", torso_channels=(16, 0, 32))
+    assert LearnerConfig(network="impala_resnet", torso_channels=(8, 16, 16, 32)).torso_channels
+    assert LearnerConfig(network="compact_cnn", torso_channels=(32, 64)).torso_channels == (32, 64)
 
 
 def test_every_field_has_a_flag(capsys):

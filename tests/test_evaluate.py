@@ -60,6 +60,11 @@ def test_the_network_is_the_one_the_run_trained():
     network = network_of_run(run, num_actions=6)
     params = network.init(jax.random.key(0), np.zeros((1, 4, 42, 42), np.uint8))
     assert params["params"]["torso"]["Dense_0"]["kernel"].shape == (2592, 64)
+    # config.json writes tuples as JSON lists.
+    wider = network_of_run({**run, "torso_channels": [32, 64]}, num_actions=6)
+    params = wider.init(jax.random.key(0), np.zeros((1, 4, 42, 42), np.uint8))
+    assert params["params"]["torso"]["Conv_1"]["kernel"].shape == (4, 4, 32, 64)
+    assert params["params"]["torso"]["Dense_0"]["kernel"].shape == (5184, 64)
     older = network_of_run({"env": "atari:Pong", "network": "compact_cnn"}, num_actions=6)
     params = older.init(jax.random.key(0), np.zeros((1, 4, 42, 42), np.uint8))
     assert params["params"]["torso"]["Dense_0"]["kernel"].shape == (2592, 256)

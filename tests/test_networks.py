@@ -137,6 +137,41 @@ def test_torso_hidden_size_sizes_the_image_torsos_last_layer(name, shape, own_si
     assert last_layer_units(96) == 96
 
 
+@pytest.mark.parametrize(
+    ("name", "channels"),
+    [("compact_cnn_centered", (32, 64)), ("compact_cnn", (8, 24)), ("impala_resnet", (8, 16))],
+)
+def test_torso_channels_set_the_convolutions_widths(name, channels):
+    observation = np.zeros((1, 4, 42, 42), np.uint8)
+
+    def conv_widths(torso_channels: tuple[int, ...]) -> list[int]:
+        network = make_network(name, num_actions=6, torso_channels=torso_channels)
+        params = network.init(jax.random.key(0), observation)
+        assert network.apply(params, observation).logits.shape == (1, 6)
+        torso = params["params"]["torso"]
+        # impala_resnet's stage convolutions (its residual blocks keep each stage's width).
+        convolutions = sorted(layer for layer in torso if layer.startswith("Conv_"))
+        return [torso[layer]["kernel"].shape[-1] for layer in convolutions]
+
+    own = conv_widths(())
+    assert own == ([16, 32] if name.startswith("compact") else [16, 32, 32])
+    assert conv_widths(channels) == list(channels)
+
+
+@pytest.mark.parametrize(
+    ("name", "channels", "message"),
+    [
+        ("nature_cnn", (32, 64, 64), "not of nature_cnn"),
+        ("mlp", (16, 32), "not of mlp"),
+        ("compact_cnn", (16, 32, 32), "takes 2 torso_channels, got 3"),
+        ("compact_cnn", (16, 0), "must be positive"),
+    ],
+)
+def test_torso_channels_are_refused_where_they_cannot_apply(name, channels, message):
+    with pytest.raises(ValueError, match=message):
+        make_network(name, num_actions=6, torso_channels=channels)
+
+
 def test_torso_hidden_size_is_refused_for_the_mlp():
     with pytest.raises(ValueError, match="mlp_hidden_sizes"):
         make_network("mlp", num_actions=2, torso_hidden_size=32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -124,7 +124,8 @@ def _centered_frames(x: jax.Array) -> jax.Array:
 
 
 class CompactCNN(nn.Module):
-    """Two strided convolutions (16 of 4x4/2, 32 of 4x4/2) and a dense layer (256 units).
+    """Two strided convolutions (16 of 4x4/2, 32 of 4x4/2) and a dense layer (256 units);
+    `channels` sets the convolutions' widths.
 
     Sized for 42x42 frames (atari:GAME/42x42), where it costs about a quarter
     of the Nature CNN's update at 84x84: on a CPU the update's arithmetic
@@ -134,14 +135,15 @@ class CompactCNN(nn.Module):
 
     centered: bool = False
     hidden_size: int = 256
+    channels: Sequence[int] = (16, 32)
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
         x = _images_to_float(observations)
         if self.centered:
             x = _centered_frames(x)
-        x = _ConvReLU(16, (4, 4), (2, 2), name="Conv_0")(x)
-        x = _ConvReLU(32, (4, 4), (2, 2), name="Conv_1")(x)
+        for index, channels in enumerate(self.channels):
+            x = _ConvReLU(channels, (4, 4), (2, 2), name=f"Conv_{index}")(x)
         x = x.reshape(x.shape[0], -1)
         return nn.relu(nn.Dense(self.hidden_size, kernel_init=_relu_init)(x))
 
@@ -370,22 +372,50 @@ def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> N
     )
 
 
+# The torsos whose convolution widths `torso_channels` sets, and how many widths each takes
+# (None: any number of stages).
+_CHANNEL_COUNTS: dict[str, int | None] = {
+    "compact_cnn": 2,
+    "compact_cnn_centered": 2,
+    "impala_resnet": None,
+}
+
+
+def check_torso_channels(name: str, torso_channels: Sequence[int]) -> None:
+    """ValueError unless `name` is a torso `torso_channels` can size, in as many widths."""
+    if name not in _CHANNEL_COUNTS:
+        raise ValueError(
+            f"torso_channels sets the widths of {', '.join(_CHANNEL_COUNTS)}; not of {name}"
+        )
+    count = _CHANNEL_COUNTS[name]
+    if count is not None and len(torso_channels) != count:
+        raise ValueError(f"{name} takes {count} torso_channels, got {len(torso_channels)}")
+    if min(torso_channels, default=1) < 1:
+        raise ValueError(f"torso_channels must be positive, got {torso_channels}")
+
+
 def make_network(
     name: NetworkName,
     num_actions: int,
     mlp_hidden_sizes: Sequence[int] = (64, 64),
     lstm_size: int = 0,
     torso_hidden_size: int = 0,
+    torso_channels: Sequence[int] = (),
 ) -> ActorCritic | RecurrentActorCritic:
     """The torso `name` and the heads; with `lstm_size`, an LSTM core between them.
-    `torso_hidden_size`: units of an image torso's last layer (0: the torso's own)."""
+    `torso_hidden_size`: units of an image torso's last layer (0: the torso's own);
+    `torso_channels`: the compact CNNs' or impala_resnet's convolution widths (empty: their own)."""
     hidden = tuple(mlp_hidden_sizes)
-    sized = {"hidden_size": torso_hidden_size} if torso_hidden_size else {}
+    torso_channels = tuple(torso_channels)
+    if torso_channels:
+        check_torso_channels(name, torso_channels)
+    sized: dict[str, Any] = {"hidden_size": torso_hidden_size} if torso_hidden_size else {}
+    widened = {**sized, "channels": torso_channels} if torso_channels else sized
     torsos = {
         "nature_cnn": lambda: NatureCNN(**sized),
-        "compact_cnn": lambda: CompactCNN(**sized),
-        "compact_cnn_centered": lambda: CompactCNN(centered=True, **sized),
-        "impala_resnet": lambda: ImpalaResNet(**sized),
+        "compact_cnn": lambda: CompactCNN(**widened),
+        "compact_cnn_centered": lambda: CompactCNN(centered=True, **widened),
+        "impala_resnet": lambda: ImpalaResNet(**widened),
         "smm_cnn": lambda: SMMCNN(**sized),
         "mlp": lambda: MLP(hidden),
     }

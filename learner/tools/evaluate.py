@@ -162,6 +162,7 @@ def network_of_run(run: dict[str, Any], num_actions: int):
         tuple(run.get("mlp_hidden_sizes", (64, 64))),
         int(run.get("lstm_size", 0)),
         int(run.get("torso_hidden_size", 0)),
+        tuple(run.get("torso_channels", ())),
     )
 
 
