@@ -375,8 +375,8 @@ def check_network_fits(name: NetworkName, dtype: str, shape: Sequence[int]) -> N
 # The torsos whose convolution widths `torso_channels` sets, and how many widths each takes
 # (None: any number of stages).
 _CHANNEL_COUNTS: dict[str, int | None] = {
-    "compact_cnn": 2,
-    "compact_cnn_centered": 2,
+    "compact_cnn": len(CompactCNN.channels),
+    "compact_cnn_centered": len(CompactCNN.channels),
     "impala_resnet": None,
 }
 
