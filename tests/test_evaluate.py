@@ -135,3 +135,44 @@ def test_the_atari_stop_check_ends_episodes_of_a_policy_that_never_presses_fire(
     # Full episodes last 27,000 agent steps (108k frames) at the limit; these end far sooner.
     assert max(lengths) < 10_000, lengths
     print(f"epsilon-greedy NOOP on Breakout: {returns} in {lengths} steps")
+
+
+def test_another_env_must_observe_and_act_as_the_runs(tmp_path):
+    """--env plays a run's checkpoint on another env id, one its network can take: 84x84
+    frames or another action set are refused before anything is loaded."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"env": "atari:Pong/no-sticky", "network": "compact_cnn_centered"})
+    )
+    larger = run("--run-dir", str(tmp_path), "--env", "atari:Pong/84x84")
+    assert larger.returncode == 1
+    assert "observes uint8 (4, 84, 84)" in larger.stderr, larger.stderr
+    assert "atari:Pong/no-sticky, which observes uint8 (4, 42, 42)" in larger.stderr
+    actions = run("--run-dir", str(tmp_path), "--env", "atari:Breakout")
+    assert actions.returncode == 1
+    assert "has 4 actions" in actions.stderr and "which has 6" in actions.stderr, actions.stderr
+    unknown = run("--run-dir", str(tmp_path), "--env", "nosuch:thing")
+    assert unknown.returncode == 1
+    assert "--env nosuch:thing" in unknown.stderr, unknown.stderr
+
+
+def test_a_checkpoint_plays_on_the_env_it_is_given(tmp_path):
+    """A run trained without sticky actions, played with them: the result names the env
+    played, not the run's."""
+    from learner.training.checkpoint import Checkpointer
+
+    _, params, _ = constant_policy("atari:Pong/no-sticky", "compact_cnn_centered")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(
+        json.dumps({"env": "atari:Pong/no-sticky", "network": "compact_cnn_centered"})
+    )
+    checkpointer = Checkpointer(str(run_dir), interval_s=0.0, keep=1)
+    checkpointer.save(1, params, {}, {"env_steps": 0, "episodes": 0})
+    checkpointer.close()
+    result = run("--run-dir", str(run_dir), "--env", "atari:Pong", "--episodes", "1")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["env"] == "atari:Pong"
+    assert summary["episodes"] == 1
+    # NOOP for ever: the opponent scores 21 and the agent nothing.
+    assert summary["mean"] == -21.0

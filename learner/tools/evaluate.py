@@ -36,6 +36,10 @@ class EvalConfig:
 
     run_dir: str
     """The learner's run directory (with config.json and checkpoints/)."""
+    env: str = ""
+    """Play on this env id instead of the run's, one whose observations and actions are the
+    run's: for instance atari:Pong for a run trained on atari:Pong/no-sticky, to see what
+    sticky actions cost its policy. Empty: the run's env."""
     checkpoint: int | None = None
     """Update count of the checkpoint to load (see RUN_DIR/checkpoints); None: the newest."""
     episodes: int = 10
@@ -166,6 +170,28 @@ def network_of_run(run: dict[str, Any], num_actions: int):
     )
 
 
+def check_env_fits(env_id: str, trained_on: str) -> None:
+    """Refuses (SystemExit) an env whose observations or actions differ from those of the
+    env the run trained on: its checkpoint's network could not play it."""
+    from envs import registry
+
+    try:
+        spec, trained = registry.spec(env_id), registry.spec(trained_on)
+    except (ValueError, KeyError) as error:
+        raise SystemExit(f"seedrl-eval: --env {env_id}: {error}") from error
+    ours, theirs = spec.model_observation, trained.model_observation
+    if (ours.shape, ours.dtype) != (theirs.shape, theirs.dtype):
+        raise SystemExit(
+            f"seedrl-eval: --env {env_id} observes {ours.dtype} {tuple(ours.shape)}, but the "
+            f"run trained on {trained_on}, which observes {theirs.dtype} {tuple(theirs.shape)}"
+        )
+    if spec.action.num_actions != trained.action.num_actions:
+        raise SystemExit(
+            f"seedrl-eval: --env {env_id} has {spec.action.num_actions} actions, but the run "
+            f"trained on {trained_on}, which has {trained.action.num_actions}"
+        )
+
+
 def evaluate(config: EvalConfig) -> EvalResult:
     import jax
     import numpy as np
@@ -176,7 +202,9 @@ def evaluate(config: EvalConfig) -> EvalResult:
     from learner.training import checkpoint
 
     run = _run_config(config.run_dir)
-    env_id = run["env"]
+    env_id = config.env or run["env"]
+    if env_id != run["env"]:
+        check_env_fits(env_id, run["env"])
     num_envs = config.num_envs or min(config.episodes, MAX_ENVS)
     num_envs = min(num_envs, config.episodes)
     options: dict[str, Any] = {}
