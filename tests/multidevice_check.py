@@ -97,6 +97,12 @@ def fused_batch(network, config, optimizer, params, trajectories, count: int) ->
             )
             losses.append(float(metrics["loss"]))
     fused_losses = np.asarray(fused_metrics["loss"])
+    # The loss sums terms of either sign that can cancel to near zero, while float error
+    # scales with the terms: each step's difference is measured against their magnitudes.
+    scales = np.abs(np.asarray(fused_metrics["policy_loss"])) + np.abs(
+        np.asarray(fused_metrics["entropy_loss"])
+    )
+    scales = scales + settings.baseline_cost * np.asarray(fused_metrics["baseline_loss"])
     return {
         "fused_relative": relative(
             jax.tree.map(
@@ -106,7 +112,7 @@ def fused_batch(network, config, optimizer, params, trajectories, count: int) ->
                 lambda new, old: np.asarray(new) - np.asarray(old), stepped.params, params
             ),
         ),
-        "fused_loss_relative": float(np.max(np.abs(fused_losses - losses) / np.abs(losses))),
+        "fused_loss_relative": float(np.max(np.abs(fused_losses - losses) / scales)),
         "fused_updates": [int(fused_state.updates), int(stepped.updates)],
     }
 

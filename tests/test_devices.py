@@ -140,7 +140,8 @@ def test_the_update_on_4_devices_equals_the_update_on_1(network):
     # A batch's passes over its minibatches in one call on the 4 devices: the same steps as
     # one by one on one device, on the unrolls minibatch_columns says make each minibatch.
     assert figures["fused_updates"] == [4, 4]
-    assert figures["fused_loss_relative"] < 1e-4
+    # Each step's loss against the size of its terms, which may cancel to near zero.
+    assert figures["fused_loss_relative"] < 1e-5
     assert figures["fused_relative"] < 1e-4
 
 
