@@ -8,11 +8,10 @@
 # Actor i is named NAME-i (default: this host's name), so a restarted actor
 # keeps its name and the learner sees a new run of the same actor. An actor
 # that exits 0 (training finished) or 2 (refused by the learner: wrong env or
-# spec) is not restarted; any other exit is restarted after a backoff of 1 s
-# that doubles, up to 30 s, only while the actor keeps dying within 10 s of
-# its start (a crash loop); one killed after working (preempted, OOM) comes
-# back after 1 s. Ctrl-C or SIGTERM
-# stops every actor. Exits 0 when all actors finished, 2 if any was refused.
+# spec) is not restarted; any other exit is restarted: at once when the
+# actor had been up 10 s or more (killed after working: preempted, OOM), and
+# after a backoff of 1 s that doubles, up to 30 s, while it keeps dying within
+# 10 s of its start (a crash loop). Ctrl-C or SIGTERM stops every actor. Exits 0 when all actors finished, 2 if any was refused.
 # --status-file: rewritten at every change, one line of key=value pairs:
 # state (running, finished, refused, stopped), actors, alive, restarts,
 # finished, refused, pid, updated (epoch seconds); launch_fleet.sh reads it.
@@ -114,16 +113,22 @@ while [ ${#pid_of[@]} -gt 0 ]; do
   esac
   restarts=$((restarts + 1))
   write_status running
-  # An actor that had been working is restarted at once; a crash loop backs off.
-  (( SECONDS - started_at[$i] < 10 )) || backoff[$i]=1
-  echo "launch_actors: actor $prefix-$i exited with $status; restarting in ${backoff[$i]} s" >&2
-  sleep "${backoff[$i]}" &
-  sleep_pid=$!
-  wait $sleep_pid 2>/dev/null
-  sleep_pid=""
+  # An actor that had been working is restarted at once, and its crash-loop backoff starts
+  # over; one that keeps dying soon after its start waits longer each time.
+  if (( SECONDS - started_at[$i] >= 10 )); then
+    delay=0 backoff[$i]=1
+  else
+    delay=${backoff[$i]} backoff[$i]=$(( backoff[$i] * 2 > 30 ? 30 : backoff[$i] * 2 ))
+  fi
+  echo "launch_actors: actor $prefix-$i exited with $status; restarting in $delay s" >&2
+  if (( delay > 0 )); then
+    sleep "$delay" &
+    sleep_pid=$!
+    wait $sleep_pid 2>/dev/null
+    sleep_pid=""
+  fi
   start_actor "$i"
   write_status running
-  backoff[$i]=$(( backoff[$i] * 2 > 30 ? 30 : backoff[$i] * 2 ))
 done
 if [ $refused -gt 0 ]; then write_status refused; exit 2; fi
 write_status finished

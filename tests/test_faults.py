@@ -252,7 +252,10 @@ def example_params():
 
 
 def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
-    """scripts/launch_actors.sh keeps 4 actors up while one is SIGKILLed every period."""
+    """scripts/launch_actors.sh keeps 4 actors up while one is SIGKILLed every period.
+
+    Each victim has been up past the launcher's crash-loop window (10 s), as a preempted
+    actor that had been working: the launcher restarts it at once, without a backoff."""
     period_s, duration_s = (10.0, 300.0) if LONG else (5.0, 30.0)
     env = "counting:v0"
     config = learner_config(
@@ -281,6 +284,11 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    launched = time.monotonic()
+    # When each actor's current process started, as this test sees it (its kill, for a
+    # replacement); with 2 s of margin over the window for the launcher's whole seconds.
+    up_since = {f"{prefix}-{i}": launched for i in range(4)}
+    working_s = 12.0
     learner = fleet.learner
     rng = random.Random(0)
     recoveries: list[float] = []
@@ -288,7 +296,7 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
     shares: list[float] = []  # the replacement's rate / the other actors' mean: asserted
     try:
         collector.drain_until(lambda: learner.stats.connected_actors == 4, 120, "4 actors")
-        started = time.monotonic()
+        started = max(time.monotonic(), launched + working_s)
         for kill in range(int(duration_s / period_s)):
             at = started + kill * period_s
             collector.drain_until(
@@ -298,11 +306,14 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
             collector.drain_until(lambda: learner.stats.connected_actors == 4, 60, "4 actors")
             before, _ = rates(collector, learner, 2.0)
             streams = list(learner.service.streams.values())
-            victim = rng.choice(sorted(s.actor_id for s in streams))
+            now = time.monotonic()
+            victim = rng.choice(
+                sorted(s.actor_id for s in streams if now - up_since[s.actor_id] >= working_s)
+            )
             runs = {s.run_id for s in streams if s.actor_id == victim}
             (pid,) = {s.pid for s in streams if s.actor_id == victim}
             os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
+            killed = up_since[victim] = time.monotonic()
 
             def replaced(victim: str = victim, runs: set = runs) -> bool:
                 return any(
@@ -337,6 +348,9 @@ def test_actors_killed_at_random_cost_only_their_own_partial_unrolls(tmp_path):
         f"after / before {min(ratios):.2f}-{max(ratios):.2f}; "
         f"{len(collector.unrolls)} unrolls checked"
     )
+    # Each had been working, so each came back without a crash loop's backoff.
+    restarts = (tmp_path / "launch.log").read_text().count("exited with 137; restarting in 0 s")
+    assert restarts == len(recoveries), restarts
     assert max(recoveries) <= 5.0, recoveries
     # Recovered: the fleet is whole and the new actor does its share. (The fleet's total
     # over 2 s windows swings +-25% with this shared machine's noise, so it is reported,

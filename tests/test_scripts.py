@@ -165,6 +165,43 @@ def test_launch_actors_restarts_a_killed_actor(tmp_path):
         fleet.stop()
 
 
+def test_launch_actors_backs_off_an_actor_that_keeps_dying_at_its_start(tmp_path):
+    """An actor that fails within seconds of each start (an env it cannot build) is retried
+    after 1 s, then 2 s, then 4 s: a crash loop does not spin."""
+    log = tmp_path / "launcher.log"
+    launcher = subprocess.Popen(
+        [
+            LAUNCH_ACTORS,
+            "--learner",
+            "127.0.0.1:1",
+            "--num-actors",
+            "1",
+            "--env",
+            "atari:NoSuchGame",
+            "--num-envs",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stderr=open(log, "w"),  # noqa: SIM115 - the child owns it
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: "restarting in 4 s" in log.read_text(), 90, "a third restart")
+        delays = [
+            line.rsplit("restarting in ", 1)[1]
+            for line in log.read_text().splitlines()
+            if "restarting in" in line
+        ]
+        assert delays == ["1 s", "2 s", "4 s"], delays
+        assert "ale-py has no Atari ROM" in (tmp_path / "logs" / "actor-0.log").read_text()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 130
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
 # -- launch_fleet.sh ---------------------------------------------------------------
 
 
