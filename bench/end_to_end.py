@@ -172,13 +172,16 @@ def serving_fleet(
         actors = _actors(served.address, env, processes, num_envs, groups, run_dir)
         try:
             # Connected is not yet stepping (an actor resets its envs after its hello):
-            # the window opens once every stream has been answered.
+            # the window opens once every stream has been answered. Building and resetting
+            # an Atari env takes 0.2-0.4 s of a core, so a fleet of 512-env actors needs
+            # minutes to start; the deadline grows with each core's share of the envs.
+            share = num_envs * -(-processes // max(1, len(os.sched_getaffinity(0))))
             _wait_for(
                 lambda: (
                     learner.stats.connected_envs == processes * num_envs
                     and all(stream.steps for stream in list(learner.service.streams.values()))
                 ),
-                120,
+                120 + 1.0 * share,
                 "every actor to connect and step",
             )
             yield learner, config, [process.pid for process, _ in actors]
