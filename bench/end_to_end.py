@@ -175,7 +175,7 @@ def serving_fleet(
             # the window opens once every stream has been answered. Building and resetting
             # an Atari env takes 0.2-0.4 s of a core, so a fleet of 512-env actors needs
             # minutes to start; the deadline grows with each core's share of the envs.
-            share = num_envs * -(-processes // max(1, len(os.sched_getaffinity(0))))
+            share = num_envs * -(-processes // cores())
             _wait_for(
                 lambda: (
                     learner.stats.connected_envs == processes * num_envs

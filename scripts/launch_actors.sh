@@ -11,7 +11,8 @@
 # spec) is not restarted; any other exit is restarted: at once when the
 # actor had been up 10 s or more (killed after working: preempted, OOM), and
 # after a backoff of 1 s that doubles, up to 30 s, while it keeps dying within
-# 10 s of its start (a crash loop). Ctrl-C or SIGTERM stops every actor. Exits 0 when all actors finished, 2 if any was refused.
+# 10 s of its start (a crash loop). Ctrl-C or SIGTERM stops every actor.
+# Exits 0 when all actors finished, 2 if any was refused.
 # --status-file: rewritten at every change, one line of key=value pairs:
 # state (running, finished, refused, stopped), actors, alive, restarts,
 # finished, refused, pid, updated (epoch seconds); launch_fleet.sh reads it.

@@ -99,10 +99,10 @@ def fused_batch(network, config, optimizer, params, trajectories, count: int) ->
     fused_losses = np.asarray(fused_metrics["loss"])
     # The loss sums terms of either sign that can cancel to near zero, while float error
     # scales with the terms: each step's difference is measured against their magnitudes.
-    scales = np.abs(np.asarray(fused_metrics["policy_loss"])) + np.abs(
-        np.asarray(fused_metrics["entropy_loss"])
+    policy, baseline, entropy = (
+        np.asarray(fused_metrics[name]) for name in ("policy_loss", "baseline_loss", "entropy_loss")
     )
-    scales = scales + settings.baseline_cost * np.asarray(fused_metrics["baseline_loss"])
+    scales = np.abs(policy) + settings.baseline_cost * baseline + np.abs(entropy)
     return {
         "fused_relative": relative(
             jax.tree.map(
