@@ -260,13 +260,16 @@ ATTACKS: dict[str, Callable[[str, float], dict]] = {
 }
 
 
-def _attack_main(name: str, address: str, deadline: float, connection) -> None:
+def _attack_main(name: str, address: str, window_s: float, connection) -> None:
     # The lowest CPU priority: the attacker stands in for a peer on a machine of its own,
     # so what is measured is what the attack costs the learner, not what the attacker's
     # own loop takes from the cores it shares here with the learner and the honest actor.
     os.nice(19)
+    # The window starts once this process is up: at that priority, on cores the learner
+    # keeps busy, its start can take longer than a short window.
+    connection.send("ready")
     try:
-        connection.send(ATTACKS[name](address, deadline))
+        connection.send(ATTACKS[name](address, time.monotonic() + window_s))
     except BaseException as error:  # reported, not raised: the window goes on
         connection.send({"attacker failed": f"{type(error).__name__}: {error}"[:200]})
 
@@ -380,11 +383,14 @@ def run(config: AttacksConfig) -> dict:
             updates = learner.stats.updates
             mine, theirs = context.Pipe()
             attacker = context.Process(
-                target=_attack_main,
-                args=(name, served.address, time.monotonic() + config.window_s, theirs),
+                target=_attack_main, args=(name, served.address, config.window_s, theirs)
             )
-            rate = _Rate(learner)
             attacker.start()
+            if not mine.poll(120):
+                attacker.kill()
+                raise RuntimeError(f"the attacker of {name!r} did not start within 120 s")
+            mine.recv()
+            rate = _Rate(learner)
             ended = mine.recv() if mine.poll(config.window_s + 120) else {"no report": 1}
             attacked = rate.per_s()
             attacker.join(timeout=30)
