@@ -226,6 +226,12 @@ class LearnerConfig:
     init_checkpoint: str = ""
     """Start a new run from these parameters: a run directory (its newest checkpoint) or
     RUN_DIR/checkpoints/UPDATES. Ignored when RUN_DIR has checkpoints of its own (resume)."""
+    compilation_cache: bool = True
+    """Keep the compiled XLA programs on disk and load them at the next start with the same
+    settings (a restart, a resume, a rerun) instead of compiling them again."""
+    compilation_cache_dir: str = ""
+    """Where; empty: $JAX_COMPILATION_CACHE_DIR where set, else ~/.cache/seedrl/xla
+    ($XDG_CACHE_HOME/seedrl/xla). Bounded at 2 GiB, least recently used deleted first."""
     max_nonfinite_updates: int = 10
     """Stop (with a checkpoint of the last good state) after this many updates in a row
     whose loss or gradient was not finite; each one is skipped. A skip that one stream's

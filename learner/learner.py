@@ -109,7 +109,7 @@ class Learner:
         optimizer = optimizer_for(config, self._schedule)
         settings = loss_settings(config, self.global_batch)
         params, opt_state, resumed = checkpoint.starting_state(
-            self.run_dir, config.init_checkpoint, params, optimizer.init(params)
+            self.run_dir, config.init_checkpoint, params, jax.jit(optimizer.init)(params)
         )
         self.resumed_from = None if resumed is None else int(resumed["updates"])
         updates = self.resumed_from or 0

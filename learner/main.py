@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 import tyro
@@ -47,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # what matters in one line.
     logging.getLogger("absl").setLevel(logging.WARNING)
     from learner.agents.networks import NetworkMismatch
-    from learner.backends import devices
+    from learner.backends import compile_cache, devices
     from learner.learner import Learner
     from learner.training.checkpoint import CheckpointMismatch, NoCheckpointError
 
@@ -59,6 +60,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 config.coordinator_address, config.num_processes, config.process_id
             )
         )
+        # Before the first compile, which builds the network's initial parameters.
+        if config.compilation_cache:
+            compile_cache.enable(config.compilation_cache_dir)
+        else:
+            compile_cache.disable()
         learner = Learner(config)
     except devices.DeviceError as error:
         logging.getLogger("learner").error("%s", error)
@@ -72,7 +78,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("learner").info(
         "compiling inference and the update for %s (%s)...", config.env, config.network
     )
+    started = time.monotonic()
     learner.compile()
+    logging.getLogger("learner").info(
+        "compiled in %.1f s: %s", time.monotonic() - started, compile_cache.summary()
+    )
     sys.exit(asyncio.run(learner.run()))
 
 

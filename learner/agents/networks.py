@@ -316,12 +316,19 @@ def init_params(
     network: ActorCritic | RecurrentActorCritic, key: jax.Array, observation: jax.Array
 ) -> dict:
     """The network's initial parameters from one example observation [1, ...] (a recurrent
-    network takes it as one step of one env, with its first flag and zero state)."""
+    network takes it as one step of one env, with its first flag and zero state).
+
+    One compiled program: flax's init run op by op compiles each of its tens of ops on
+    its own, which took most of a learner's start before its own compile."""
     if isinstance(network, RecurrentActorCritic):
-        first = jnp.ones((1, 1), jnp.bool_)
-        params = network.init(key, observation[None], first, network.initial_state(1))
-        return _forget_bias(params, FORGET_BIAS)
-    return network.init(key, observation)
+
+        def recurrent_init(key, observation):
+            first = jnp.ones((1, 1), jnp.bool_)
+            params = network.init(key, observation[None], first, network.initial_state(1))
+            return _forget_bias(params, FORGET_BIAS)
+
+        return jax.jit(recurrent_init)(key, observation)
+    return jax.jit(network.init)(key, observation)
 
 
 class NetworkMismatch(ValueError):

@@ -1,0 +1,81 @@
+"""The persistent compilation cache (learner/backends/compile_cache.py), through
+seedrl-learner as users start it: started again with the same settings, a learner loads
+the programs its first start wrote instead of compiling them; --no-compilation-cache
+compiles every one and writes nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from learner.backends import compile_cache
+from tests.fleet import LoggedProcess, learner_argv, wait_until
+
+CARTPOLE = "classic:CartPole-v1"
+
+
+def log_once_serving(tmp_path, name: str, *flags: str) -> str:
+    """The log of a CartPole learner started with `flags`, up to its serving."""
+    learner = LoggedProcess(
+        learner_argv(CARTPOLE, tmp_path / name, *flags), tmp_path / f"{name}.log"
+    )
+    try:
+        wait_until(
+            lambda: " serving " in learner.log() or learner.process.poll() is not None,
+            300,
+            "the learner to serve",
+        )
+        return learner.log()
+    finally:
+        learner.kill()
+
+
+def loaded(log: str) -> tuple[int, int, float]:
+    """(programs loaded, programs asked, seconds saved) from the learner's compile line."""
+    match = re.search(
+        r"compiled in [\d.]+ s: (\d+) of (\d+) programs loaded from the compilation cache "
+        r"(\S+) \(([\d.]+) s of compiling saved\)",
+        log,
+    )
+    assert match, log[-3000:]
+    return int(match[1]), int(match[2]), float(match[4])
+
+
+def entries(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.endswith("-cache"))
+
+
+def test_a_learner_started_again_loads_the_programs_its_first_start_compiled(tmp_path):
+    cache = tmp_path / "cache"
+    first = log_once_serving(tmp_path, "first", "--compilation-cache-dir", str(cache))
+    hits, asked, saved = loaded(first)
+    assert hits == 0 and saved == 0 and asked > 0, first[-3000:]
+    written = entries(cache)
+    assert written, "the first start wrote no program"
+
+    # Another run directory: nothing but the cache carries over.
+    second = log_once_serving(tmp_path, "second", "--compilation-cache-dir", str(cache))
+    hits, asked_again, saved = loaded(second)
+    assert asked_again == asked
+    assert hits == len(written) and saved > 0, (hits, written)
+    assert entries(cache) == written  # nothing compiled afresh was written
+
+
+def test_without_the_cache_every_program_compiles_and_nothing_is_written(tmp_path):
+    cache = tmp_path / "cache"
+    log = log_once_serving(
+        tmp_path, "run", "--no-compilation-cache", "--compilation-cache-dir", str(cache)
+    )
+    assert re.search(r"compiled in [\d.]+ s: no compilation cache", log), log[-3000:]
+    assert not cache.exists()
+
+
+def test_the_cache_directory_follows_jax_then_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.default_dir() == str(tmp_path / "jax")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert compile_cache.default_dir() == str(tmp_path / "xdg" / "seedrl" / "xla")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache.default_dir() == str(tmp_path / "home" / ".cache" / "seedrl" / "xla")
