@@ -1,17 +1,8 @@
 """The persistent compilation cache: the XLA programs a learner compiles, kept on disk, so
-that its next start with the same programs loads them instead of compiling them again.
-
-Most of a learner's start is compiling: inference at every padded batch size, the update,
-the stop check's policy. A learner restarted after a crash or a preemption, resumed, or
-run again with the same settings loads them in a fraction of that (docs/architecture.md,
-"Start-up"). JAX keys each program by its HLO, the compile options, XLA_FLAGS, the jax
-and jaxlib versions and the device kind, so a changed setting compiles afresh; on a CPU
-the loader also refuses a program compiled for CPU features this one lacks (a home
-directory shared by different machines) and compiles it again. An entry JAX cannot read
-(a learner killed while writing it) is compiled again, with JAX's warning.
-
-The directory is bounded: past DEFAULT_MAX_BYTES, JAX deletes the least recently used
-programs.
+that its next start with the same programs (a restart, a resume, a rerun) loads them
+instead of compiling them again. JAX keys, bounds and checks the entries
+(docs/architecture.md, "Start-up and the compilation cache"); this module points it at
+its directory and counts what it answered, for the learner's log.
 """
 
 from __future__ import annotations
@@ -95,16 +86,12 @@ def disable() -> None:
     jax.config.update("jax_enable_compilation_cache", False)
 
 
-def counts() -> Counts:
-    with _lock:
-        return dataclasses.replace(_counts)
-
-
 def summary() -> str:
     """One line on what the cache answered in this process, for the learner's log."""
     if _directory is None:
         return "no compilation cache"
-    done = counts()
+    with _lock:
+        done = dataclasses.replace(_counts)
     if not done.requests:
         return f"compilation cache {_directory}"
     return (
