@@ -58,7 +58,12 @@ def test_a_learner_started_again_loads_the_programs_its_first_start_compiled(tmp
     hits, asked_again, saved = loaded(second)
     assert asked_again == asked
     assert hits == len(written) and saved > 0, (hits, written)
-    assert entries(cache) == written  # nothing compiled afresh was written
+    # What the first start did not write (it compiled in under MIN_COMPILE_S) compiles
+    # again, and a compile slowed past that bound by a busy machine is written now; no
+    # entry the first start wrote is replaced.
+    again = entries(cache)
+    assert set(written) <= set(again)
+    assert len(again) - len(written) <= asked_again - hits, (again, written)
 
 
 def test_without_the_cache_every_program_compiles_and_nothing_is_written(tmp_path):
