@@ -1,15 +1,18 @@
 """The persistent compilation cache (learner/backends/compile_cache.py), through
-seedrl-learner as users start it: started again with the same settings, a learner loads
-the programs its first start wrote instead of compiling them; --no-compilation-cache
-compiles every one and writes nothing."""
+seedrl-learner and seedrl-eval as users start them: started again with the same settings,
+each loads the programs its first start wrote instead of compiling them;
+--no-compilation-cache compiles every one and writes nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 from learner.backends import compile_cache
 from tests.fleet import LoggedProcess, learner_argv, wait_until
+from tests.test_evaluate import constant_run
+from tests.test_evaluate import run as run_eval
 
 CARTPOLE = "classic:CartPole-v1"
 
@@ -31,9 +34,9 @@ def log_once_serving(tmp_path, name: str, *flags: str) -> str:
 
 
 def loaded(log: str) -> tuple[int, int, float]:
-    """(programs loaded, programs asked, seconds saved) from the learner's compile line."""
+    """(programs loaded, programs asked, seconds saved) from a log's cache line."""
     match = re.search(
-        r"compiled in [\d.]+ s: (\d+) of (\d+) programs loaded from the compilation cache "
+        r"(\d+) of (\d+) programs loaded from the compilation cache "
         r"(\S+) \(([\d.]+) s of compiling saved\)",
         log,
     )
@@ -73,6 +76,34 @@ def test_without_the_cache_every_program_compiles_and_nothing_is_written(tmp_pat
     )
     assert re.search(r"compiled in [\d.]+ s: no compilation cache", log), log[-3000:]
     assert not cache.exists()
+
+
+def test_seedrl_eval_started_again_loads_the_policy_its_first_start_compiled(tmp_path):
+    run_dir = constant_run(tmp_path / "run", "atari:Pong")
+    cache = tmp_path / "cache"
+    flags = ("--run-dir", str(run_dir), "--episodes", "1", "--compilation-cache-dir", str(cache))
+    first = run_eval(*flags)
+    assert first.returncode == 0, first.stderr[-3000:]
+    hits, asked, saved = loaded(first.stderr)
+    assert hits == 0 and saved == 0 and asked > 0, first.stderr[-3000:]
+    written = entries(cache)
+    assert written, "the first evaluation wrote no program"
+
+    second = run_eval(*flags)
+    assert second.returncode == 0, second.stderr[-3000:]
+    hits, asked_again, saved = loaded(second.stderr)
+    assert asked_again == asked
+    assert hits == len(written) and saved > 0, (hits, written)
+    assert set(written) <= set(entries(cache))
+    # The same play either way: NOOP for ever loses 21-0; the JSON result still ends stdout.
+    assert json.loads(second.stdout.strip().splitlines()[-1])["mean"] == -21.0
+
+    uncached = run_eval(
+        *flags[:4], "--no-compilation-cache", "--compilation-cache-dir", str(tmp_path / "none")
+    )
+    assert uncached.returncode == 0, uncached.stderr[-3000:]
+    assert "seedrl-eval: no compilation cache" in uncached.stderr
+    assert not (tmp_path / "none").exists()
 
 
 def test_the_cache_directory_follows_jax_then_xdg_then_home(monkeypatch, tmp_path):

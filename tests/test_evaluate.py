@@ -92,6 +92,19 @@ def constant_policy(env_id: str, network_name: str):
     return network, jax.tree.map(jax.numpy.zeros_like, params), spec
 
 
+def constant_run(run_dir, env_id: str, network_name: str = "compact_cnn_centered"):
+    """A run directory as the learner leaves it, its one checkpoint constant_policy's."""
+    from learner.training.checkpoint import Checkpointer
+
+    _, params, _ = constant_policy(env_id, network_name)
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"env": env_id, "network": network_name}))
+    checkpointer = Checkpointer(str(run_dir), interval_s=0.0, keep=1)
+    checkpointer.save(1, params, {}, {"env_steps": 0, "episodes": 0})
+    checkpointer.close()
+    return run_dir
+
+
 @pytest.mark.parametrize(("epsilon", "explored"), [(0.0, 0.0), (0.2, 0.1), (1.0, 0.5)])
 def test_an_epsilon_greedy_player_takes_a_uniform_action_that_often(epsilon, explored):
     import jax
@@ -158,17 +171,7 @@ def test_another_env_must_observe_and_act_as_the_runs(tmp_path):
 def test_a_checkpoint_plays_on_the_env_it_is_given(tmp_path):
     """A run trained without sticky actions, played with them: the result names the env
     played, not the run's."""
-    from learner.training.checkpoint import Checkpointer
-
-    _, params, _ = constant_policy("atari:Pong/no-sticky", "compact_cnn_centered")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.json").write_text(
-        json.dumps({"env": "atari:Pong/no-sticky", "network": "compact_cnn_centered"})
-    )
-    checkpointer = Checkpointer(str(run_dir), interval_s=0.0, keep=1)
-    checkpointer.save(1, params, {}, {"env_steps": 0, "episodes": 0})
-    checkpointer.close()
+    run_dir = constant_run(tmp_path / "run", "atari:Pong/no-sticky")
     result = run("--run-dir", str(run_dir), "--env", "atari:Pong", "--episodes", "1")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])

@@ -59,6 +59,13 @@ class EvalConfig:
     """Frames per second of the video; 0: the env's own rate."""
     json: str = ""
     """Also write the result as JSON to this file."""
+    compilation_cache: bool = True
+    """Load the policy's compiled programs from the persistent compilation cache the
+    learner uses, and write those it compiles, so that the next evaluation of a run of
+    the same settings starts without compiling."""
+    compilation_cache_dir: str = ""
+    """Where; empty: $JAX_COMPILATION_CACHE_DIR where set, else ~/.cache/seedrl/xla
+    ($XDG_CACHE_HOME/seedrl/xla), as seedrl-learner's default."""
 
     def __post_init__(self) -> None:
         if self.episodes < 1:
@@ -282,8 +289,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     from learner.backends.cpu import xla_flags
 
     xla_flags.apply()  # before JAX starts
+    from learner.backends import compile_cache
+
+    if config.compilation_cache:
+        compile_cache.enable(config.compilation_cache_dir)
+    else:
+        compile_cache.disable()
 
     summary = evaluate(config).summary()
+    # stderr: stdout's last line is the JSON result.
+    print(f"seedrl-eval: {compile_cache.summary()}", file=sys.stderr)
     print(table(summary))
     if config.json:
         with open(config.json, "w") as file:
