@@ -61,10 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         )
         # Before the first compile, which builds the network's initial parameters.
-        if config.compilation_cache:
-            compile_cache.enable(config.compilation_cache_dir)
-        else:
-            compile_cache.disable()
+        compile_cache.configure(config.compilation_cache, config.compilation_cache_dir)
         learner = Learner(config)
     except devices.DeviceError as error:
         logging.getLogger("learner").error("%s", error)

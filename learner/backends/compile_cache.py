@@ -86,6 +86,14 @@ def disable() -> None:
     jax.config.update("jax_enable_compilation_cache", False)
 
 
+def configure(enabled: bool, directory: str = "") -> None:
+    """enable(directory) or disable(), as a CLI's --[no-]compilation-cache says."""
+    if enabled:
+        enable(directory)
+    else:
+        disable()
+
+
 def summary() -> str:
     """One line on what the cache answered in this process, for the learner's log."""
     if _directory is None:

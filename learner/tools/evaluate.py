@@ -291,10 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     xla_flags.apply()  # before JAX starts
     from learner.backends import compile_cache
 
-    if config.compilation_cache:
-        compile_cache.enable(config.compilation_cache_dir)
-    else:
-        compile_cache.disable()
+    compile_cache.configure(config.compilation_cache, config.compilation_cache_dir)
 
     summary = evaluate(config).summary()
     # stderr: stdout's last line is the JSON result.
