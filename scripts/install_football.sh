@@ -40,8 +40,10 @@ if [ ${#missing[@]} -gt 0 ]; then
     sudo=(sudo)
   fi
   say "installing ${#missing[@]} Debian packages: ${missing[*]}"
-  "${sudo[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
+  # An unattended upgrade or another install may hold apt's locks: wait for them.
+  apt=(apt-get -o DPkg::Lock::Timeout=600)
+  "${sudo[@]}" "${apt[@]}" update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" "${apt[@]}" install -y -qq --no-install-recommends \
     "${missing[@]}" >/dev/null
 else
   say "Debian packages: all ${#DEBIAN_PACKAGES[@]} present"

@@ -5,11 +5,13 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/setup.sh --dev
+# An unattended upgrade or another install may hold apt's locks: wait for them.
+apt=(apt-get -o DPkg::Lock::Timeout=600)
 # The fleet page's test drives a real browser: Debian's Chromium, installed once.
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "test: installing Debian's chromium for the fleet page's browser test" >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+    { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq chromium; } \
       >/dev/null || echo "test: could not install chromium" >&2
   else
     echo "test: no chromium, and no root to install it" >&2
@@ -25,7 +27,7 @@ command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "test: installing Debian's ${missing[*]} for the multi-host tests" >&2
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+  { "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq "${missing[@]}"; } \
     >/dev/null || echo "test: could not install ${missing[*]}" >&2
 fi
 probe="seedrl-probe-$$"
