@@ -20,14 +20,7 @@ import pytest
 from envs import football, registry
 from learner.agents.networks import _unpack_bits, make_network
 from learner.presets import preset_for
-from tests.fleet import (
-    LearnerThread,
-    learner_argv,
-    learner_config,
-    spawn_actor,
-    wait_until,
-    written_records,
-)
+from tests.fleet import learner_argv
 
 HAVE_GFOOTBALL = importlib.util.find_spec("gfootball") is not None
 # SEEDRL_REQUIRE_FOOTBALL=1 (a machine that has built the engine) makes a missing engine
@@ -207,43 +200,11 @@ def test_vector_env_resets_in_next_step_mode():
 
 @needs_engine
 @pytest.mark.slow
-def test_a_learner_and_two_actors_train_on_an_academy_scenario(tmp_path):
-    """The real gRPC path: metrics.jsonl shows episodes and frames per second."""
-    config = learner_config(
-        EMPTY_GOAL, tmp_path / "run", total_env_steps=10**9, log_interval_s=2.0, batch_size=4
-    )
-    fleet = LearnerThread(config).start()
-    actors = [
-        spawn_actor(fleet.address, EMPTY_GOAL, 4, f"football-{index}", tmp_path / "actors")
-        for index in range(2)
-    ]
-    metrics = tmp_path / "run" / "metrics.jsonl"
-
-    def records() -> list[dict]:
-        return written_records(metrics)
-
-    try:
-        wait_until(
-            lambda: any(r["episodes"] >= 8 and r["updates"] >= 2 for r in records()),
-            300,
-            "8 episodes and 2 updates",
-        )
-    finally:
-        for actor in actors:
-            actor.kill()
-        fleet.stop()
-    last = records()[-1]
-    assert last["fps"] > 0 and last["episodes"] >= 8 and last["updates"] >= 2
-    assert last["episode_return_mean"] is not None
-
-
-@needs_engine
-@pytest.mark.slow
 def test_academy_empty_goal_close_is_learned_within_1m_env_steps(tmp_path):
-    """The football preset, the CLI learner and 2 actor processes: from the random
-    policy's 0.15 goals per episode to a 100-episode mean of 0.5 or more, which 20 greedy
-    episodes of the parameters of that moment reach too (the sampling fleet can score
-    while the most likely action does not), and which the run ends with."""
+    """The football preset, the CLI learner and 2 actor processes over the real gRPC path:
+    from the random policy's 0.15 goals per episode to a 100-episode mean of 0.5 or more,
+    which 20 greedy episodes of the parameters of that moment reach too (the sampling fleet
+    can score while the most likely action does not), and which the run ends with."""
     from tests.test_learning import read_metrics, run_eval, train
 
     train(
@@ -266,6 +227,8 @@ def test_academy_empty_goal_close_is_learned_within_1m_env_steps(tmp_path):
         f"{last['env_steps']:,} env steps, {last['elapsed_s']:.0f} s"
     )
     assert last["episode_return_mean"] >= 0.5 and last["env_steps"] <= 1_000_000
+    # metrics.jsonl counts the fleet's episodes and frames.
+    assert last["fps"] > 0 and last["episodes"] >= 100
     # The greedy policy of the final checkpoint scores too.
     result = run_eval(tmp_path / "run", "--episodes", "40")
     print(f"greedy: mean {result['mean']} over {result['episodes']} episodes")
