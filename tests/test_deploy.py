@@ -514,6 +514,28 @@ def test_image_runs_the_project_commands_from_its_venv():
     assert IMAGE_UID != 0
 
 
+def image_environment() -> dict[str, str]:
+    """The final stage's ENV variables, as the image's processes see them."""
+    pairs = [shlex.split(line) for line in in_stage(final_stage(), "ENV")]
+    return dict(pair.partition("=")[::2] for line in pairs for pair in line)
+
+
+def test_the_learners_compilation_cache_is_on_the_volume_of_its_run_directory(monkeypatch):
+    """In the image, and so in the Kubernetes learner, the cache lies under /data with the
+    run directories: a restarted learner on the same volume loads what it compiled."""
+    from learner.backends import compile_cache
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", image_environment()["XDG_CACHE_HOME"])
+    cache = Path(compile_cache.default_dir())
+    (workdir,) = in_stage(final_stage(), "WORKDIR")
+    assert cache.is_relative_to(workdir)  # the image's /data, where volumes go
+    _, container, config = learner_in_kubernetes()
+    (mount,) = container["volumeMounts"]
+    assert cache.is_relative_to(mount["mountPath"])
+    assert not cache.is_relative_to(config.run_dir)  # shared by runs, not one run's
+
+
 def doc_commands(prefix: str) -> list[tuple[str, list[str]]]:
     """Commands in the docs' fenced code blocks that start with `prefix`, continuations joined."""
     found = []
