@@ -32,11 +32,16 @@ uv=$(find_uv)
 cd "$root"
 # The lock file decides every version; python-downloads=never (pyproject) keeps
 # uv to this machine's Python 3.11; --inexact keeps the dev tools when training
-# after testing.
-"$uv" sync --frozen --inexact ${extras[@]+"${extras[@]}"} --quiet
+# after testing. --compile-bytecode writes the packages' .pyc files once, here:
+# where PYTHONDONTWRITEBYTECODE is set (containers, CI), Python never writes them
+# and would compile jax, flax and the rest again in every process it starts, about
+# half of a learner's or an actor's start-up.
+"$uv" sync --frozen --inexact --compile-bytecode ${extras[@]+"${extras[@]}"} --quiet
+# The project's own modules, imported from this tree (an editable install), the same.
+.venv/bin/python -m compileall -q -j 0 seedrl envs actors learner bench >/dev/null
 # The policy's oneDNN convolution is compiled when the package is built
 # (hatch_build.py). uv rebuilds the package when its source changes, not when
 # the ignored library has gone (git clean, a copy without ignored files).
 if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && [ ! -e learner/backends/cpu/native/libseedrl_onednn.so ]; then
-  "$uv" sync --frozen --inexact ${extras[@]+"${extras[@]}"} --reinstall-package seedrl --quiet
+  "$uv" sync --frozen --inexact --compile-bytecode ${extras[@]+"${extras[@]}"} --reinstall-package seedrl --quiet
 fi

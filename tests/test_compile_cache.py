@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
 from learner.backends import compile_cache
-from tests.fleet import LoggedProcess, learner_argv, wait_until
+from tests.fleet import ROOT, LoggedProcess, learner_argv, wait_until
 from tests.test_evaluate import constant_run
 from tests.test_evaluate import run as run_eval
 
@@ -74,6 +76,34 @@ def test_a_learner_started_again_loads_the_programs_its_first_start_compiled(tmp
     hits = check_loaded_again(second, asked, written, cache)
     again = entries(cache)
     assert len(again) - len(written) <= asked - hits, (again, written)
+
+
+def test_a_cache_an_unbounded_jax_program_wrote_to_keeps_the_learners_programs_too(tmp_path):
+    """JAX's own default leaves the cache unbounded and its entries without a last-use
+    time; the learner's bounded cache reads one for every entry whenever it writes."""
+    cache = tmp_path / "cache"
+    plain = subprocess.run(
+        [sys.executable, "-c", "import jax, jax.numpy as jnp; jax.jit(jnp.sin)(1.0)"],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_COMPILATION_CACHE_MAX_SIZE": "-1",
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    theirs = entries(cache)
+    assert theirs and not [name for name in os.listdir(cache) if name.endswith("-atime")]
+
+    log = log_once_serving(tmp_path, "run", "--compilation-cache-dir", str(cache))
+    assert "Error writing persistent compilation cache" not in log, log[-3000:]
+    assert set(entries(cache)) > set(theirs), "the learner wrote no program"
+    names = set(os.listdir(cache))
+    assert all(name.removesuffix("-cache") + "-atime" in names for name in entries(cache))
 
 
 def test_without_the_cache_every_program_compiles_and_nothing_is_written(tmp_path):

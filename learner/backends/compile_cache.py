@@ -60,6 +60,38 @@ def _on_duration(event: str, duration_s: float, **_: object) -> None:
             _counts.saved_s += max(0.0, duration_s)
 
 
+# JAX's bounded cache (jax._src.lru_cache) keeps each entry as KEY-cache beside KEY-atime,
+# its last use, and reads every entry's KEY-atime whenever it writes one.
+_ENTRY = "-cache"
+_ATIME = "-atime"
+
+
+def date_unbounded_entries(directory: str) -> int:
+    """Gives each entry without a last-use time one (its file's own time); the number given.
+
+    A JAX program that shares the directory with no bound on its size (JAX's default: any
+    program with JAX_COMPILATION_CACHE_DIR set, which default_dir() follows too) writes
+    entries without a KEY-atime. JAX's bounded cache then fails every write it makes, with
+    a warning for each program, and the learner's programs are never kept."""
+    import filelock
+
+    given = 0
+    # The lock JAX's bounded cache holds while it reads, writes and evicts.
+    with filelock.FileLock(os.path.join(directory, ".lockfile"), timeout=10):
+        names = set(os.listdir(directory))
+        for name in names:
+            if not name.endswith(_ENTRY):
+                continue
+            atime = name[: -len(_ENTRY)] + _ATIME
+            if atime in names:
+                continue
+            stamp = os.stat(os.path.join(directory, name)).st_mtime_ns
+            with open(os.path.join(directory, atime), "wb") as file:
+                file.write(stamp.to_bytes(8, "little"))
+            given += 1
+    return given
+
+
 def enable(directory: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Points JAX's persistent cache at `directory` (empty: default_dir()) and counts its
     answers; the directory used. Must run before this process's first compile: JAX
@@ -69,6 +101,7 @@ def enable(directory: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> str:
 
     directory = os.path.abspath(os.path.expanduser(directory or default_dir()))
     os.makedirs(directory, exist_ok=True)
+    date_unbounded_entries(directory)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_compilation_cache_max_size", max_bytes)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
