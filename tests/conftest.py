@@ -14,11 +14,13 @@ import tempfile
 # Before anything imports jax, which reads its variables once.
 _cache_dir = tempfile.mkdtemp(prefix="seedrl-test-xla-cache-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-# Bounded as seedrl-learner bounds it, in this process and in every JAX program the tests
-# start: each entry is then written with its last-use time, which the bounded cache reads.
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2 << 30)
 atexit.register(shutil.rmtree, _cache_dir, True)
 
+from learner.backends.compile_cache import DEFAULT_MAX_BYTES  # noqa: E402 (imports no jax)
 from learner.backends.cpu import xla_flags  # noqa: E402
+
+# Bounded as seedrl-learner bounds it, in this process and in every JAX program the tests
+# start: each entry is then written with its last-use time, which the bounded cache reads.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(DEFAULT_MAX_BYTES)
 
 xla_flags.apply()

@@ -66,8 +66,8 @@ _ENTRY = "-cache"
 _ATIME = "-atime"
 
 
-def date_unbounded_entries(directory: str) -> int:
-    """Gives each entry without a last-use time one (its file's own time); the number given.
+def date_unbounded_entries(directory: str) -> None:
+    """Gives each entry without a last-use time one: its file's own time.
 
     A JAX program that shares the directory with no bound on its size (JAX's default: any
     program with JAX_COMPILATION_CACHE_DIR set, which default_dir() follows too) writes
@@ -75,7 +75,6 @@ def date_unbounded_entries(directory: str) -> int:
     a warning for each program, and the learner's programs are never kept."""
     import filelock
 
-    given = 0
     # The lock JAX's bounded cache holds while it reads, writes and evicts.
     with filelock.FileLock(os.path.join(directory, ".lockfile"), timeout=10):
         names = set(os.listdir(directory))
@@ -88,8 +87,6 @@ def date_unbounded_entries(directory: str) -> int:
             stamp = os.stat(os.path.join(directory, name)).st_mtime_ns
             with open(os.path.join(directory, atime), "wb") as file:
                 file.write(stamp.to_bytes(8, "little"))
-            given += 1
-    return given
 
 
 def enable(directory: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> str:
