@@ -50,14 +50,14 @@ def entries(directory) -> list[str]:
     return sorted(name for name in os.listdir(directory) if name.endswith("-cache"))
 
 
-def check_loaded_again(log: str, asked: int, written: list[str], cache) -> int:
+def check_loaded_again(log: str, asked: int, written: list[str], cache) -> tuple[int, float]:
     """A second start's cache line against the first's, which asked for `asked` programs
-    and wrote `written`: the programs it loaded."""
+    and wrote `written`: the programs it loaded and the seconds of compiling that saved."""
     hits, asked_again, saved = loaded(log)
     assert asked_again == asked
-    assert hits == len(written) and saved > 0, (hits, written)
+    assert hits == len(written), (hits, written)
     assert set(written) <= set(entries(cache))
-    return hits
+    return hits, saved
 
 
 def test_a_learner_started_again_loads_the_programs_its_first_start_compiled(tmp_path):
@@ -73,7 +73,9 @@ def test_a_learner_started_again_loads_the_programs_its_first_start_compiled(tmp
     # What the first start did not write (it compiled in under MIN_COMPILE_S) compiles
     # again, and a compile slowed past that bound by a busy machine is written now; no
     # entry the first start wrote is replaced.
-    hits = check_loaded_again(second, asked, written, cache)
+    hits, saved = check_loaded_again(second, asked, written, cache)
+    # The learner's update and inference take seconds to compile: loading them saves time.
+    assert saved > 0, second[-3000:]
     again = entries(cache)
     assert len(again) - len(written) <= asked - hits, (again, written)
 
@@ -128,6 +130,8 @@ def test_seedrl_eval_started_again_loads_the_policy_its_first_start_compiled(tmp
 
     second = run_eval(*flags)
     assert second.returncode == 0, second.stderr[-3000:]
+    # The policy's programs compile in tenths of a second: on a fast machine loading one
+    # saves less than the 0.1 s the line shows, so only the programs loaded are checked.
     check_loaded_again(second.stderr, asked, written, cache)
     # The same play either way: NOOP for ever loses 21-0; the JSON result still ends stdout.
     assert json.loads(second.stdout.strip().splitlines()[-1])["mean"] == -21.0

@@ -227,8 +227,10 @@ def test_academy_empty_goal_close_is_learned_within_1m_env_steps(tmp_path):
         f"{last['env_steps']:,} env steps, {last['elapsed_s']:.0f} s"
     )
     assert last["episode_return_mean"] >= 0.5 and last["env_steps"] <= 1_000_000
-    # metrics.jsonl counts the fleet's episodes and frames.
-    assert last["fps"] > 0 and last["episodes"] >= 100
+    # metrics.jsonl counts the fleet's episodes and frames. The last record covers only
+    # the moments between the last interval's record and the stop, which may hold no
+    # env step, so the rate is read over the run.
+    assert max(r["fps"] or 0 for r in records) > 0 and last["episodes"] >= 100
     # The greedy policy of the final checkpoint scores too.
     result = run_eval(tmp_path / "run", "--episodes", "40")
     print(f"greedy: mean {result['mean']} over {result['episodes']} episodes")
