@@ -1,4 +1,5 @@
-"""learner.backends.cpu.onednn_conv: the policy's convolutions on oneDNN through XLA's FFI.
+"""learner.backends.cpu.onednn_conv: convolutions and their kernel gradients on oneDNN through
+XLA's FFI.
 
 The native library is built when the package is installed (hatch_build.py);
 on Linux x86_64 these tests require it, so a build that silently failed
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from jax import lax
 import hatch_build
 from learner.agents import networks
 from learner.backends.cpu import onednn_conv
-from learner.backends.cpu.onednn_conv import conv_bias_relu, for_inference
+from learner.backends.cpu.onednn_conv import conv_bias_relu
 from learner.inference import policy as policy_fns
 
 BUILT_HERE = sys.platform == "linux" and platform.machine() == "x86_64"
@@ -52,9 +54,14 @@ def _arrays(rows, height, width, channels, kernel_size, features, seed=0):
     return jnp.asarray(x), jnp.asarray(kernel), jnp.asarray(bias)
 
 
-def _targets(fn, *args) -> int:
-    """How many calls of the oneDNN FFI target the compiled program makes."""
-    return jax.jit(fn).lower(*args).as_text().count(onednn_conv.TARGET)
+def _targets(fn, *args, target: str = onednn_conv.TARGET) -> int:
+    """How many calls of a oneDNN FFI target (the convolution's by default) the program makes."""
+    return _calls(jax.jit(fn).lower(*args).as_text(), target)
+
+
+def _calls(program: str, target: str) -> int:
+    """Custom calls of `target` in a lowered program's text."""
+    return len(re.findall(rf"custom_call @{target}\b", program))
 
 
 @needs_library
@@ -82,8 +89,7 @@ def test_equals_lax_where_it_runs_on_onednn(
     x, kernel, bias = _arrays(rows, height, width, channels, kernel_size, features)
 
     def fast(x, kernel, bias):
-        with for_inference():
-            return conv_bias_relu(x, kernel, bias, strides, pads, relu)
+        return conv_bias_relu(x, kernel, bias, strides, pads, relu)
 
     assert _targets(fast, x, kernel, bias) == 1
     got = jax.jit(fast)(x, kernel, bias)
@@ -95,44 +101,80 @@ def test_equals_lax_where_it_runs_on_onednn(
 
 
 @needs_library
-def test_lax_outside_inference_and_for_one_row():
+def test_lax_for_one_row():
     x, kernel, bias = _arrays(8, 20, 20, 32, (4, 4), 64)
 
-    def train_path(x, kernel, bias):
-        return conv_bias_relu(x, kernel, bias, (2, 2))
-
     def one_row(x, kernel, bias):
-        with for_inference():
-            return conv_bias_relu(x[:1], kernel, bias, (2, 2))
+        return conv_bias_relu(x[:1], kernel, bias, (2, 2))
 
-    assert _targets(train_path, x, kernel, bias) == 0
     assert _targets(one_row, x, kernel, bias) == 0
     np.testing.assert_allclose(
-        jax.jit(train_path)(x, kernel, bias),
-        _reference(x, kernel, bias, (2, 2), ((0, 0), (0, 0)), True),
+        jax.jit(one_row)(x, kernel, bias),
+        _reference(x[:1], kernel, bias, (2, 2), ((0, 0), (0, 0)), True),
         rtol=1e-5,
         atol=1e-5,
     )
 
 
 @needs_library
-def test_gradient_through_the_onednn_path_is_laxs():
-    x, kernel, bias = _arrays(4, 20, 20, 8, (4, 4), 6)
-    pads = ((0, 0), (0, 0))
+@pytest.mark.parametrize(
+    ("rows", "height", "width", "channels", "kernel_size", "features", "strides", "pads", "relu"),
+    [
+        (42, 42, 42, 4, (4, 4), 16, (2, 2), ((0, 0), (0, 0)), True),  # compact CNN, layer 1
+        (42, 20, 20, 16, (4, 4), 32, (2, 2), ((0, 0), (0, 0)), True),  # layer 2
+        (5, 9, 9, 64, (3, 3), 64, (1, 1), ((0, 0), (0, 0)), True),  # Nature, layer 3
+        (3, 11, 7, 3, (3, 2), 5, (1, 2), ((1, 1), (0, 1)), False),  # padded, no ReLU
+        (7, 17, 17, 3, (5, 5), 4, (3, 3), ((0, 0), (0, 0)), True),  # kernel not a stride multiple
+    ],
+)
+def test_gradients_through_the_onednn_path_are_laxs(
+    rows, height, width, channels, kernel_size, features, strides, pads, relu
+):
+    """The kernel's and the bias's gradients from oneDNN's call, the input's from XLA's."""
+    x, kernel, bias = _arrays(rows, height, width, channels, kernel_size, features, seed=2)
 
     def loss(fast):
         def f(x, kernel, bias):
             if fast:
-                with for_inference():
-                    y = conv_bias_relu(x, kernel, bias, (2, 2), pads)
+                y = conv_bias_relu(x, kernel, bias, strides, pads, relu)
             else:
-                y = _reference(x, kernel, bias, (2, 2), pads, True)
+                y = _reference(x, kernel, bias, strides, pads, relu)
             return jnp.sum(jnp.sin(y))
 
-        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, kernel, bias)
+        return f
 
-    for got, want in zip(loss(True), loss(False), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    grads = jax.grad(loss(True), argnums=(0, 1, 2))
+    assert _targets(grads, x, kernel, bias, target=onednn_conv.GRADIENT_TARGET) == 1
+    got = jax.jit(grads)(x, kernel, bias)
+    want = jax.jit(jax.grad(loss(False), argnums=(0, 1, 2)))(x, kernel, bias)
+    for name, got_leaf, want_leaf in zip(("input", "kernel", "bias"), got, want, strict=True):
+        scale = float(jnp.max(jnp.abs(want_leaf)))
+        assert scale > 0.0, name
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+@needs_library
+def test_the_kernel_gradient_sums_every_slice_and_vmaps_call_by_call():
+    """Rows cut over XLA's threads add up to the whole batch's gradient, and a vmapped
+    gradient is each mapped element's own, not their sum."""
+    x, kernel, _ = _arrays(9, 12, 12, 4, (4, 4), 8, seed=3)
+    grad = jnp.asarray(np.random.default_rng(5).standard_normal((9, 5, 5, 8), dtype=np.float32))
+    geometry = ((2, 2), ((0, 0), (0, 0)))
+
+    def on_onednn(x, g):
+        return onednn_conv._kernel_gradient_ffi(x, g, kernel.shape, *geometry)
+
+    def on_lax(x, g):
+        return onednn_conv._kernel_gradient_lax(x, g, kernel, *geometry)
+
+    for got, want in zip(jax.jit(on_onednn)(x, grad), jax.jit(on_lax)(x, grad), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    stacked_x, stacked_g = x.reshape(3, 3, 12, 12, 4), grad.reshape(3, 3, 5, 5, 8)
+    got = jax.jit(jax.vmap(on_onednn))(stacked_x, stacked_g)
+    want = jax.jit(jax.vmap(on_lax))(stacked_x, stacked_g)
+    assert got[0].shape == (3, 4, 4, 4, 8) and got[1].shape == (3, 8)
+    for got_leaf, want_leaf in zip(got, want, strict=True):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-4)
 
 
 @needs_library
@@ -149,6 +191,20 @@ def test_the_handler_rejects_inconsistent_shapes():
 
 
 @needs_library
+def test_the_kernel_gradient_handler_rejects_inconsistent_shapes():
+    x, _, _ = _arrays(2, 9, 9, 4, (3, 3), 8)
+    grad = jnp.zeros((2, 7, 7, 8), jnp.float32)
+    wrong_kernel = jax.ShapeDtypeStruct((3, 3, 5, 8), jnp.float32)  # 5 input channels, not 4
+    call = jax.ffi.ffi_call(
+        onednn_conv.GRADIENT_TARGET, (wrong_kernel, jax.ShapeDtypeStruct((8,), jnp.float32))
+    )
+    attrs = {name: np.int64(v) for name, v in (("stride_h", 1), ("stride_w", 1))}
+    attrs |= {name: np.int64(0) for name in ("pad_top", "pad_bottom", "pad_left", "pad_right")}
+    with pytest.raises(Exception, match="seedrl_onednn_conv_kernel_grad: expects"):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(x, grad))
+
+
+@needs_library
 def test_concurrent_calls_from_two_threads():
     """Two policies' calls at once share the primitives and the kernel reorder."""
     x, kernel, bias = _arrays(16, 20, 20, 32, (4, 4), 64, seed=4)
@@ -156,8 +212,7 @@ def test_concurrent_calls_from_two_threads():
 
     @jax.jit
     def fast(x, kernel, bias):
-        with for_inference():
-            return conv_bias_relu(x, kernel, bias, (2, 2))
+        return conv_bias_relu(x, kernel, bias, (2, 2))
 
     fast(x, kernel, bias).block_until_ready()
 
@@ -181,15 +236,23 @@ def test_zero_rows():
 
 
 @needs_library
-def test_a_library_that_computes_wrong_is_refused(monkeypatch):
-    def off_by_one(*args):
-        return onednn_conv._reference(*args) + 1.0
-
+@pytest.mark.parametrize(
+    ("function", "wrong", "says"),
+    [
+        ("_ffi", lambda *args: onednn_conv._reference(*args) + 1.0, "differs from lax"),
+        (
+            "_kernel_gradient_ffi",
+            lambda x, g, *_: (jnp.zeros((4, 4, 4, 8), jnp.float32), jnp.sum(g, axis=(0, 1, 2))),
+            "kernel gradient differs from lax",
+        ),
+    ],
+)
+def test_a_library_that_computes_wrong_is_refused(monkeypatch, function, wrong, says):
     onednn_conv.unavailable_reason.cache_clear()
-    monkeypatch.setattr(onednn_conv, "_ffi", off_by_one)
+    monkeypatch.setattr(onednn_conv, function, wrong)
     try:
         reason = onednn_conv.unavailable_reason()
-        assert reason is not None and "differs from lax" in reason
+        assert reason is not None and says in reason
     finally:
         monkeypatch.undo()
         onednn_conv.unavailable_reason.cache_clear()
@@ -204,10 +267,11 @@ def test_disabled_by_the_environment(monkeypatch):
         x, kernel, bias = _arrays(8, 9, 9, 4, (3, 3), 8)
 
         def fast(x, kernel, bias):
-            with for_inference():
-                return conv_bias_relu(x, kernel, bias, (1, 1))
+            return jnp.sum(conv_bias_relu(x, kernel, bias, (1, 1)))
 
         assert _targets(fast, x, kernel, bias) == 0
+        grads = jax.grad(fast, argnums=(0, 1, 2))
+        assert _targets(grads, x, kernel, bias, target=onednn_conv.GRADIENT_TARGET) == 0
     finally:
         monkeypatch.delenv(onednn_conv.DISABLE_VARIABLE)
         onednn_conv.unavailable_reason.cache_clear()
@@ -246,16 +310,25 @@ def test_nature_cnn_keeps_nn_convs_parameter_tree():
 
 
 @needs_library
-def test_the_policy_uses_it_and_the_train_step_does_not():
+def test_the_policy_and_the_train_step_use_it():
     network = networks.ActorCritic(networks.NatureCNN(), num_actions=6)
     frames = jnp.asarray(np.random.default_rng(1).integers(0, 256, (16, 4, 84, 84), np.uint8))
     params = network.init(jax.random.PRNGKey(0), frames[:1])
     policy = policy_fns.make_policy_fn(network.apply)
     key = jax.random.PRNGKey(7)
-    assert policy.lower(params, frames, key).as_text().count(onednn_conv.TARGET) == 3
+    assert _calls(policy.lower(params, frames, key).as_text(), onednn_conv.TARGET) == 3
     step, _ = policy(params, frames, key)
     # The same draws from the network's logits on XLA's kernels.
-    logits = network.apply(params, frames).logits
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(onednn_conv.DISABLE_VARIABLE, "0")
+        onednn_conv.unavailable_reason.cache_clear()
+        logits = jax.jit(network.apply)(params, frames).logits
+
+        def xla_loss(params):
+            return jnp.sum(network.apply(params, frames).values)
+
+        want_grads = jax.jit(jax.grad(xla_loss))(params)
+    onednn_conv.unavailable_reason.cache_clear()
     _, sample_key = jax.random.split(key)
     want = policy_fns._sample(logits, sample_key)
     np.testing.assert_array_equal(step.actions, want.actions)
@@ -264,7 +337,13 @@ def test_the_policy_uses_it_and_the_train_step_does_not():
     def loss(params):
         return jnp.sum(network.apply(params, frames).values)
 
-    assert jax.jit(jax.grad(loss)).lower(params).as_text().count(onednn_conv.TARGET) == 0
+    text = jax.jit(jax.grad(loss)).lower(params).as_text()
+    assert _calls(text, onednn_conv.TARGET) == 3
+    assert _calls(text, onednn_conv.GRADIENT_TARGET) == 3
+    got_grads = jax.jit(jax.grad(loss))(params)
+    for got, want_leaf in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        scale = float(jnp.max(jnp.abs(want_leaf)))
+        np.testing.assert_allclose(got, want_leaf, rtol=0, atol=1e-4 * max(scale, 1e-6))
 
 
 def test_the_build_hook_says_why_without_a_compiler(tmp_path, monkeypatch):

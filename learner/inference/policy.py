@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from learner.agents.agent import Agent
 from learner.agents.vtrace.learning import ApplyFn, Params
-from learner.backends.cpu.onednn_conv import for_inference
 
 
 class PolicyStep(NamedTuple):
@@ -106,14 +105,12 @@ def make_policy_fn(
     The key is split inside the program, so it never leaves the device. With
     `max_temp_bytes` (`policy_temp_budget`), a batch whose network call would take
     more scratch memory runs the network on chunks of rows that do not; the
-    results are the same rows either way. The network is traced `for_inference`:
-    on a CPU its convolutions may run on oneDNN (backends/cpu/onednn_conv.py).
+    results are the same rows either way.
     """
     cache: dict = {}
 
     def logits(params: Params, observations: jax.Array) -> jax.Array:
-        with for_inference():
-            return apply_fn(params, observations).logits
+        return apply_fn(params, observations).logits
 
     def policy(
         params: Params, observations: jax.Array, key: jax.Array
@@ -161,8 +158,7 @@ def make_recurrent_policy_fn(
     cache: dict = {}
 
     def core(params, observations, first, state_in):
-        with for_inference():
-            output, state_out = apply_fn(params, observations[None], first[None], state_in)
+        output, state_out = apply_fn(params, observations[None], first[None], state_in)
         return output.logits[0], state_out
 
     def policy(params, observations, first, slots, at_start, states, starts, key):

@@ -1,34 +1,35 @@
-"""The policy's convolutions on oneDNN on a CPU, through an XLA FFI call.
+"""Convolutions on oneDNN on a CPU, through XLA FFI calls: the policy's, and the train step's
+forward pass and kernel gradients.
 
 jaxlib 0.10.2 (the newest for Python 3.11) runs CPU convolutions on Eigen's
 kernels, which trail oneDNN's (PyTorch's) on the Nature CNN at the batches
 inference serves: the policy read 0.95-0.99x PyTorch at batches 16 and 64
-(docs/benchmarks.md, case e). jaxlib 0.12 can hand convolutions to oneDNN
-itself, but needs Python 3.12. Until then `native/onednn_conv.cc`, built when
-the package is installed (hatch_build.py), does it: a convolution with its
-bias and ReLU in one oneDNN primitive, the batch cut into one slice per
-thread of XLA's intra-op pool, each slice single-threaded, so the call runs
-on XLA's own threads.
+(docs/benchmarks.md, case e). XLA:CPU also computes a convolution's kernel
+gradient as a convolution of the input and the output gradient with their batch
+and feature dimensions swapped, and the transposes that takes cost several times
+the convolution: they were a third of the Atari preset's train step. jaxlib 0.12
+can hand convolutions to oneDNN itself, but needs Python 3.12. Until then
+`native/onednn_conv.cc`, built when the package is installed (hatch_build.py),
+does it: a convolution with its bias and ReLU in one oneDNN primitive, and a
+convolution's kernel and bias gradients in another, the batch cut into one slice
+per thread of XLA's intra-op pool, each slice single-threaded, so the calls run
+on XLA's own threads. The input's gradient stays XLA's (strided_conv.py), which
+is as fast there.
 
-Only the policy uses it (`for_inference`): the train step's convolutions, at
-hundreds of rows with their gradients, are faster on Eigen (case e). A batch
-of one row stays on Eigen too, where oneDNN is no faster. Off a CPU, without
+A batch of one row stays on Eigen, where oneDNN is no faster. Off a CPU, without
 the native library (another platform, no compiler at install), or with
-SEEDRL_ONEDNN=0, every convolution is lax's, with the same results to
-float32 rounding.
+SEEDRL_ONEDNN=0, every convolution and gradient is lax's, with the same results
+to float32 rounding.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import contextvars
 import ctypes
 import functools
 import importlib.metadata
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -41,6 +42,7 @@ from learner.backends.cpu.strided_conv import LAYOUT, conv_general_dilated
 log = logging.getLogger(__name__)
 
 TARGET = "seedrl_onednn_conv"
+GRADIENT_TARGET = "seedrl_onednn_conv_kernel_grad"
 LIBRARY = Path(__file__).parent / "native" / "libseedrl_onednn.so"
 """Built from native/onednn_conv.cc by hatch_build.py when the package is installed."""
 ONEDNN_DISTRIBUTION = "onednn-cpu-gomp"
@@ -50,10 +52,6 @@ DISABLE_VARIABLE = "SEEDRL_ONEDNN"
 """Set to 0 to keep every convolution on XLA's own kernels."""
 
 Pads = tuple[tuple[int, int], ...]
-
-_for_inference: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "seedrl_onednn_for_inference", default=False
-)
 
 
 def _libdnnl() -> Path:
@@ -71,11 +69,14 @@ def _register() -> None:
     ctypes.CDLL(str(_libdnnl()), mode=ctypes.RTLD_GLOBAL)
     library = ctypes.CDLL(str(LIBRARY))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SeedrlOnednnConv), platform="cpu")
+    jax.ffi.register_ffi_target(
+        GRADIENT_TARGET, jax.ffi.pycapsule(library.SeedrlOnednnConvKernelGrad), platform="cpu"
+    )
 
 
 def _self_check() -> None:
     """One small call against lax's convolution: a library that loads but computes
-    wrong, or fails when called, is refused here rather than in the policy."""
+    wrong, or fails when called, is refused here rather than in a network."""
     rng = np.random.default_rng(0)
     cpu = jax.devices("cpu")[0]
     arrays = [
@@ -88,6 +89,15 @@ def _self_check() -> None:
     error = float(np.max(np.abs(got - want)))
     if not error <= 1e-4:
         raise RuntimeError(f"differs from lax's convolution by {error}")
+    x, kernel, _ = arrays
+    grad = jax.device_put(rng.standard_normal(want.shape, dtype=np.float32), cpu)
+    got = jax.jit(lambda x, g: _kernel_gradient_ffi(x, g, kernel.shape, *args[:2]))(x, grad)
+    want = jax.jit(lambda x, g: _kernel_gradient_lax(x, g, kernel, *args[:2]))(x, grad)
+    error = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want, strict=True)
+    )
+    if not error <= 1e-4:
+        raise RuntimeError(f"its kernel gradient differs from lax's by {error}")
 
 
 @functools.cache
@@ -104,33 +114,18 @@ def unavailable_reason() -> str | None:
     try:
         _register()
         # On a thread of its own: JAX's tracing state is per thread, and this is
-        # usually first asked while a policy is being traced.
+        # usually first asked while a network is being traced.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pool.submit(_self_check).result()
     except Exception as error:
         reason = f"{LIBRARY.name} is not usable: {type(error).__name__}: {error}"
-        log.warning("the policy's convolutions stay on XLA's kernels: %s", reason)
+        log.warning("convolutions stay on XLA's kernels: %s", reason)
         return reason
     return None
 
 
 def available() -> bool:
     return unavailable_reason() is None
-
-
-@contextlib.contextmanager
-def for_inference(enabled: bool = True) -> Iterator[None]:
-    """While tracing inside it, `conv_bias_relu` may use oneDNN (on a CPU, when built).
-
-    It is read when a function is traced, so enter it inside the jitted function
-    (as learning.py's policies do): around a call of a function jitted already,
-    it changes nothing, whichever way that function was first traced.
-    """
-    token = _for_inference.set(enabled)
-    try:
-        yield
-    finally:
-        _for_inference.reset(token)
 
 
 def _reference(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
@@ -157,19 +152,74 @@ def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> j
     )
 
 
+def _kernel_gradient_ffi(
+    x, output_grad, kernel_shape, strides: tuple[int, int], pads: Pads
+) -> tuple[jax.Array, jax.Array]:
+    """The kernel's and the bias's gradients of a convolution of `x` whose output (before any
+    ReLU) has the gradient `output_grad`, on oneDNN."""
+    (sh, sw), ((top, bottom), (left, right)) = strides, pads
+    shapes = (
+        jax.ShapeDtypeStruct(tuple(kernel_shape), jnp.float32),
+        jax.ShapeDtypeStruct((kernel_shape[-1],), jnp.float32),
+    )
+    # The gradient sums over a call's rows: a vmapped call runs once per mapped element.
+    return jax.ffi.ffi_call(GRADIENT_TARGET, shapes, vmap_method="sequential")(
+        x,
+        output_grad,
+        stride_h=np.int64(sh),
+        stride_w=np.int64(sw),
+        pad_top=np.int64(top),
+        pad_bottom=np.int64(bottom),
+        pad_left=np.int64(left),
+        pad_right=np.int64(right),
+    )
+
+
+def _kernel_gradient_lax(
+    x, output_grad, kernel, strides: tuple[int, int], pads: Pads
+) -> tuple[jax.Array, jax.Array]:
+    _, vjp = jax.vjp(
+        lambda k: conv_general_dilated(x, k, strides, pads, dimension_numbers=LAYOUT), kernel
+    )
+    return vjp(output_grad)[0], jnp.sum(output_grad, axis=(0, 1, 2))
+
+
+def _on_onednn_or_lax(x, kernel, bias, strides, pads, relu) -> jax.Array:
+    return lax.platform_dependent(
+        x,
+        kernel,
+        bias,
+        cpu=lambda *args: _ffi(*args, strides, pads, relu),
+        default=lambda *args: _reference(*args, strides, pads, relu),
+    )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _on_onednn(x, kernel, bias, strides, pads, relu) -> jax.Array:
-    return _ffi(x, kernel, bias, strides, pads, relu)
+    return _on_onednn_or_lax(x, kernel, bias, strides, pads, relu)
 
 
 def _on_onednn_forward(x, kernel, bias, strides, pads, relu):
-    return _ffi(x, kernel, bias, strides, pads, relu), (x, kernel, bias)
+    y = _on_onednn_or_lax(x, kernel, bias, strides, pads, relu)
+    return y, (x, kernel, y)
 
 
 def _on_onednn_backward(strides, pads, relu, residuals, grad):
-    # The policy takes no gradients; should anything differentiate it, lax's gradient.
-    _, vjp = jax.vjp(lambda *args: _reference(*args, strides, pads, relu), *residuals)
-    return vjp(grad)
+    x, kernel, y = residuals
+    if relu:
+        grad = jnp.where(y > 0, grad, 0.0)
+    # The input's gradient stays XLA's (strided_conv's space-to-depth for a strided
+    # convolution); under jit XLA drops it where nothing uses it (a network's input).
+    _, input_vjp = jax.vjp(
+        lambda v: conv_general_dilated(v, kernel, strides, pads, dimension_numbers=LAYOUT), x
+    )
+    kernel_grad, bias_grad = lax.platform_dependent(
+        x,
+        grad,
+        cpu=lambda x, g: _kernel_gradient_ffi(x, g, kernel.shape, strides, pads),
+        default=lambda x, g: _kernel_gradient_lax(x, g, kernel, strides, pads),
+    )
+    return input_vjp(grad)[0], kernel_grad, bias_grad
 
 
 _on_onednn.defvjp(_on_onednn_forward, _on_onednn_backward)
@@ -185,26 +235,19 @@ def conv_bias_relu(
 ) -> jax.Array:
     """relu(conv(x, kernel) + bias): NHWC x HWIO -> NHWC, explicit non-negative `pads`.
 
-    On oneDNN where `for_inference` is on, the program runs on a CPU, the arrays
-    are float32, the batch has at least MIN_ROWS rows and the library is
-    available; otherwise lax's convolution (`strided_conv.conv_general_dilated`).
+    On oneDNN, with the kernel's and the bias's gradients on oneDNN too, where the
+    program runs on a CPU, the arrays are float32, the batch has at least MIN_ROWS
+    rows and the library is available; otherwise lax's convolution
+    (`strided_conv.conv_general_dilated`) and its gradients.
     """
     strides = (int(strides[0]), int(strides[1]))
     pads = tuple((int(low), int(high)) for low, high in pads)
-    reference = functools.partial(_reference, strides=strides, pads=pads, relu=relu)
-    eligible = (
-        _for_inference.get()
-        and x.ndim == 4
+    usable = (
+        x.ndim == 4
         and x.shape[0] >= MIN_ROWS
         and all(a.dtype == jnp.float32 for a in (x, kernel, bias))
         and available()
     )
-    if not eligible:
-        return reference(x, kernel, bias)
-    return lax.platform_dependent(
-        x,
-        kernel,
-        bias,
-        cpu=lambda *args: _on_onednn(*args, strides, pads, relu),
-        default=reference,
-    )
+    if not usable:
+        return _reference(x, kernel, bias, strides, pads, relu)
+    return _on_onednn(x, kernel, bias, strides, pads, relu)

@@ -1,11 +1,16 @@
-// A 2-D convolution with bias and optional ReLU on oneDNN, as an XLA:CPU FFI call.
+// 2-D convolutions on oneDNN, as XLA:CPU FFI calls (learner/backends/cpu/onednn_conv.py).
 //
-// Used by the policy on a CPU (learner/backends/cpu/onednn_conv.py): jaxlib 0.10.2 runs
-// convolutions on Eigen's kernels, which trail oneDNN's on the Nature CNN at
-// the batches inference serves (docs/benchmarks.md, case e). The batch is cut
-// into one slice per thread of XLA's intra-op pool, and each slice runs a
-// single-threaded oneDNN primitive; so the call uses XLA's own threads and
-// oneDNN's OpenMP team never starts.
+// SeedrlOnednnConv: a convolution with bias and optional ReLU, for the policy on a CPU:
+// jaxlib 0.10.2 runs convolutions on Eigen's kernels, which trail oneDNN's on the Nature
+// CNN at the batches inference serves (docs/benchmarks.md, case e).
+// SeedrlOnednnConvKernelGrad: a convolution's kernel and bias gradients, for the train
+// step on a CPU: XLA:CPU computes a kernel gradient as a convolution of the input and
+// the output gradient with their batch and feature dimensions swapped, and the two
+// transposes that takes cost several times the convolution itself.
+//
+// The batch is cut into one slice per thread of XLA's intra-op pool, and each slice
+// runs a single-threaded oneDNN primitive; so a call uses XLA's own threads and
+// oneDNN's OpenMP team never starts. A kernel gradient sums its slices' partial ones.
 //
 // Layouts: input NHWC, kernel HWIO, output NHWC, all float32, row-major.
 
@@ -154,6 +159,29 @@ struct Slices {
   std::exception_ptr error;
 };
 
+// Runs slices 0..count-1 of `run` on the calling thread and `pool`'s, returning once all
+// are done and rethrowing the first error.
+void RunSlices(ffi::ThreadPool& pool, int count, const std::function<void(int)>& run) {
+  if (count == 1) {
+    run(0);
+    return;
+  }
+  // Shared with the pool's tasks, which may start after this call has returned
+  // (when this thread took every slice); they then find nothing to do.
+  auto slices = std::make_shared<Slices>(count, run);
+  try {
+    for (int i = 1; i < count; ++i) pool.Schedule([slices] { slices->Work(); });
+  } catch (...) {
+    // Tasks already queued read this frame: finish every slice before leaving.
+    slices->Work();
+    slices->Wait();
+    throw;
+  }
+  slices->Work();
+  slices->Wait();
+  if (slices->error) std::rethrow_exception(slices->error);
+}
+
 ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> kernel,
                     ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y, int64_t stride_h,
                     int64_t stride_w, int64_t pad_top, int64_t pad_bottom, int64_t pad_left,
@@ -227,28 +255,135 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
                                            {DNNL_ARG_SCRATCHPAD, pad}});
       slice_stream.wait();
     };
-    if (count == 1) {
-      run(0);
-      return ffi::Error::Success();
-    }
-    // Shared with the pool's tasks, which may start after this call has returned
-    // (when this thread took every slice); they then find nothing to do.
-    auto slices = std::make_shared<Slices>(count, run);
-    try {
-      for (int i = 1; i < count; ++i) pool.Schedule([slices] { slices->Work(); });
-    } catch (...) {
-      // Tasks already queued read this frame: finish every slice before leaving.
-      slices->Work();
-      slices->Wait();
-      throw;
-    }
-    slices->Work();
-    slices->Wait();
-    if (slices->error) std::rethrow_exception(slices->error);
+    RunSlices(pool, count, run);
   } catch (const dnnl::error& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("seedrl_onednn_conv: ") + e.what());
   } catch (const std::exception& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, std::string("seedrl_onednn_conv: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+// One compiled kernel-gradient primitive for one geometry, and the reorder of the
+// kernel gradient from the layout it chose into HWIO.
+struct GradientPrimitive {
+  dnnl::convolution_backward_weights gradient;
+  dnnl::reorder to_user;
+  memory::desc input, output, bias, kernel, user_kernel, scratchpad, reorder_scratchpad;
+};
+
+const GradientPrimitive& CompiledGradient(const Geometry& g) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::unique_ptr<GradientPrimitive>> cache;
+  const std::string key = g.Key();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return *found->second;
+  const auto f32 = memory::data_type::f32;
+  memory::desc input({g.rows, g.channels, g.height, g.width}, f32, memory::format_tag::nhwc);
+  memory::desc output({g.rows, g.features, g.out_h, g.out_w}, f32, memory::format_tag::nhwc);
+  memory::desc bias({g.features}, f32, memory::format_tag::a);
+  memory::dims kernel_dims = {g.features, g.channels, g.kernel_h, g.kernel_w};
+  memory::desc user_kernel(kernel_dims, f32, memory::format_tag::hwio);
+  memory::desc any_kernel(kernel_dims, f32, memory::format_tag::any);
+  const memory::dims strides = {g.stride_h, g.stride_w}, pad_l = {g.pad_top, g.pad_left},
+                     pad_r = {g.pad_bottom, g.pad_right};
+  // A backward primitive takes the forward one's description as its hint.
+  dnnl::convolution_forward::primitive_desc forward(
+      Engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, input,
+      any_kernel, bias, output, strides, pad_l, pad_r);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::convolution_backward_weights::primitive_desc desc(
+      Engine(), dnnl::algorithm::convolution_direct, input, any_kernel, bias, output, strides,
+      pad_l, pad_r, forward, attr);
+  dnnl::primitive_attr reorder_attr;
+  reorder_attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::reorder::primitive_desc reorder(Engine(), desc.diff_weights_desc(), Engine(),
+                                        user_kernel, reorder_attr);
+  auto made = std::make_unique<GradientPrimitive>(GradientPrimitive{
+      dnnl::convolution_backward_weights(desc), dnnl::reorder(reorder), input, output, bias,
+      desc.diff_weights_desc(), user_kernel, desc.scratchpad_desc(), reorder.scratchpad_desc()});
+  const GradientPrimitive& result = *made;
+  cache.emplace(key, std::move(made));
+  return result;
+}
+
+ffi::Error KernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::F32> output_grad, ffi::ResultBuffer<ffi::F32> kernel_grad,
+                          ffi::ResultBuffer<ffi::F32> bias_grad, int64_t stride_h,
+                          int64_t stride_w, int64_t pad_top, int64_t pad_bottom, int64_t pad_left,
+                          int64_t pad_right) {
+  const auto xd = x.dimensions(), yd = output_grad.dimensions(), kd = kernel_grad->dimensions();
+  if (xd.size() != 4 || yd.size() != 4 || kd.size() != 4 ||
+      bias_grad->dimensions().size() != 1 || kd[2] != xd[3] || kd[3] != yd[3] ||
+      bias_grad->dimensions()[0] != kd[3] || yd[0] != xd[0]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "seedrl_onednn_conv_kernel_grad: expects NHWC input and output "
+                      "gradient, HWIO kernel gradient, [O] bias gradient");
+  }
+  const Geometry whole{xd[0],    xd[1],      xd[2],   xd[3],      kd[0],     kd[1],
+                       kd[3],    yd[1],      yd[2],   stride_h,   stride_w,  pad_top,
+                       pad_bottom, pad_left, pad_right, false};
+  const int64_t kernel_size = kd[0] * kd[1] * kd[2] * kd[3];
+  float* kernel_out = kernel_grad->typed_data();
+  float* bias_out = bias_grad->typed_data();
+  std::fill(kernel_out, kernel_out + kernel_size, 0.0f);
+  std::fill(bias_out, bias_out + whole.features, 0.0f);
+  if (whole.rows == 0) return ffi::Error::Success();
+  try {
+    SingleThreaded();
+    const int threads = std::max<int64_t>(1, pool.num_threads());
+    const int count = static_cast<int>(std::min<int64_t>(threads, whole.rows));
+    const memory::dim base = whole.rows / count, extra = whole.rows % count;
+    std::vector<const GradientPrimitive*> primitives(count);
+    for (int i = 0; i < count; ++i) {
+      Geometry g = whole;
+      g.rows = base + (i < extra ? 1 : 0);
+      primitives[i] = &CompiledGradient(g);
+    }
+    // Each slice's partial gradients, in HWIO; summed below.
+    std::vector<std::vector<float>> kernels(count, std::vector<float>(kernel_size));
+    std::vector<std::vector<float>> biases(count, std::vector<float>(whole.features));
+    const float* in = x.typed_data();
+    const float* grad = output_grad.typed_data();
+    const int64_t in_row = whole.height * whole.width * whole.channels;
+    const int64_t out_row = whole.out_h * whole.out_w * whole.features;
+    auto run = [&](int i) {
+      SingleThreaded();
+      thread_local dnnl::stream slice_stream(Engine());
+      thread_local std::vector<char> scratchpad, reorder_scratchpad, blocked;
+      const GradientPrimitive& p = *primitives[i];
+      const int64_t start = i * base + std::min<int64_t>(i, extra);
+      memory src(p.input, Engine(), const_cast<float*>(in + start * in_row));
+      memory diff_dst(p.output, Engine(), const_cast<float*>(grad + start * out_row));
+      memory diff_kernel(p.kernel, Engine(), Aligned(blocked, p.kernel.get_size()));
+      memory diff_bias(p.bias, Engine(), biases[i].data());
+      memory pad(p.scratchpad, Engine(), Aligned(scratchpad, p.scratchpad.get_size()));
+      p.gradient.execute(slice_stream, {{DNNL_ARG_SRC, src},
+                                        {DNNL_ARG_DIFF_DST, diff_dst},
+                                        {DNNL_ARG_DIFF_WEIGHTS, diff_kernel},
+                                        {DNNL_ARG_DIFF_BIAS, diff_bias},
+                                        {DNNL_ARG_SCRATCHPAD, pad}});
+      memory user(p.user_kernel, Engine(), kernels[i].data());
+      memory reorder_pad(p.reorder_scratchpad, Engine(),
+                         Aligned(reorder_scratchpad, p.reorder_scratchpad.get_size()));
+      p.to_user.execute(slice_stream, {{DNNL_ARG_FROM, diff_kernel},
+                                       {DNNL_ARG_TO, user},
+                                       {DNNL_ARG_SCRATCHPAD, reorder_pad}});
+      slice_stream.wait();
+    };
+    RunSlices(pool, count, run);
+    for (int i = 0; i < count; ++i) {
+      for (int64_t j = 0; j < kernel_size; ++j) kernel_out[j] += kernels[i][j];
+      for (int64_t j = 0; j < whole.features; ++j) bias_out[j] += biases[i][j];
+    }
+  } catch (const dnnl::error& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("seedrl_onednn_conv_kernel_grad: ") + e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string("seedrl_onednn_conv_kernel_grad: ") + e.what());
   }
   return ffi::Error::Success();
 }
@@ -269,3 +404,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SeedrlOnednnConv, Convolve,
                                   .Attr<int64_t>("pad_left")
                                   .Attr<int64_t>("pad_right")
                                   .Attr<bool>("relu"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SeedrlOnednnConvKernelGrad, KernelGradient,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("stride_h")
+                                  .Attr<int64_t>("stride_w")
+                                  .Attr<int64_t>("pad_top")
+                                  .Attr<int64_t>("pad_bottom")
+                                  .Attr<int64_t>("pad_left")
+                                  .Attr<int64_t>("pad_right"));
