@@ -15,9 +15,9 @@ plain convolution, which is fastest for them here, and only the input
 gradient is taken through the stride-1 form, whose gradient needs no
 dilation: about a third of the time (docs/benchmarks.md, case e).
 
-`conv_general_dilated` has lax's signature; the Nature and SMM torsos'
-`_ConvReLU` layers take it outside the policy (onednn_conv.py), and it
-can be given to flax's `nn.Conv(conv_general_dilated=...)`. What it does not
+`conv_general_dilated` has lax's signature; the torsos' `_ConvReLU` layers
+take it off oneDNN, and their gradient takes its input gradient on oneDNN too
+(onednn_conv.py); it can be given to flax's `nn.Conv(conv_general_dilated=...)`. What it does not
 cover (dilation, feature groups, layouts other than NHWC/HWIO) goes to lax
 unchanged.
 """
