@@ -133,22 +133,21 @@ def _reference(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool
     return jax.nn.relu(y) if relu else y
 
 
-def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
+def _geometry(strides: tuple[int, int], pads: Pads) -> dict[str, np.int64]:
+    """The strides and pads as both FFI calls take them."""
     (sh, sw), ((top, bottom), (left, right)) = strides, pads
+    names = ("stride_h", "stride_w", "pad_top", "pad_bottom", "pad_left", "pad_right")
+    return {
+        name: np.int64(v) for name, v in zip(names, (sh, sw, top, bottom, left, right), strict=True)
+    }
+
+
+def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> jax.Array:
     # The result's shape is lax's for the same convolution.
     out = jax.eval_shape(lambda *a: _reference(*a, strides, pads, relu), x, kernel, bias)
     # Rows are independent: a vmapped call runs once per mapped element.
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
-        x,
-        kernel,
-        bias,
-        stride_h=np.int64(sh),
-        stride_w=np.int64(sw),
-        pad_top=np.int64(top),
-        pad_bottom=np.int64(bottom),
-        pad_left=np.int64(left),
-        pad_right=np.int64(right),
-        relu=bool(relu),
+        x, kernel, bias, **_geometry(strides, pads), relu=bool(relu)
     )
 
 
@@ -157,21 +156,13 @@ def _kernel_gradient_ffi(
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel's and the bias's gradients of a convolution of `x` whose output (before any
     ReLU) has the gradient `output_grad`, on oneDNN."""
-    (sh, sw), ((top, bottom), (left, right)) = strides, pads
     shapes = (
         jax.ShapeDtypeStruct(tuple(kernel_shape), jnp.float32),
         jax.ShapeDtypeStruct((kernel_shape[-1],), jnp.float32),
     )
     # The gradient sums over a call's rows: a vmapped call runs once per mapped element.
     return jax.ffi.ffi_call(GRADIENT_TARGET, shapes, vmap_method="sequential")(
-        x,
-        output_grad,
-        stride_h=np.int64(sh),
-        stride_w=np.int64(sw),
-        pad_top=np.int64(top),
-        pad_bottom=np.int64(bottom),
-        pad_left=np.int64(left),
-        pad_right=np.int64(right),
+        x, output_grad, **_geometry(strides, pads)
     )
 
 

@@ -24,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "oneapi/dnnl/dnnl.hpp"
@@ -85,21 +86,40 @@ void SingleThreaded() {
   }
 }
 
-const Primitive& Compiled(const Geometry& g) {
+// A geometry's memory descriptors, strides and paddings, as oneDNN takes them.
+struct Descriptors {
+  explicit Descriptors(const Geometry& g)
+      // oneDNN names dimensions in NCHW order whatever the layout in memory.
+      : input({g.rows, g.channels, g.height, g.width}, f32, memory::format_tag::nhwc),
+        output({g.rows, g.features, g.out_h, g.out_w}, f32, memory::format_tag::nhwc),
+        bias({g.features}, f32, memory::format_tag::a),
+        user_kernel({g.features, g.channels, g.kernel_h, g.kernel_w}, f32,
+                    memory::format_tag::hwio),
+        any_kernel({g.features, g.channels, g.kernel_h, g.kernel_w}, f32,
+                   memory::format_tag::any),
+        strides({g.stride_h, g.stride_w}),
+        pad_l({g.pad_top, g.pad_left}),
+        pad_r({g.pad_bottom, g.pad_right}) {}
+
+  static constexpr memory::data_type f32 = memory::data_type::f32;
+  memory::desc input, output, bias, user_kernel, any_kernel;
+  memory::dims strides, pad_l, pad_r;
+};
+
+// The cached value of `make(g)` for geometry g, made on first use; a map per type T.
+template <typename T, typename Make>
+const T& Cached(const Geometry& g, Make make) {
   static std::mutex mutex;
-  static std::unordered_map<std::string, std::unique_ptr<Primitive>> cache;
+  static std::unordered_map<std::string, std::unique_ptr<T>> cache;
   const std::string key = g.Key();
   std::lock_guard<std::mutex> lock(mutex);
   auto found = cache.find(key);
-  if (found != cache.end()) return *found->second;
-  const auto f32 = memory::data_type::f32;
-  // oneDNN names dimensions in NCHW order whatever the layout in memory.
-  memory::desc input({g.rows, g.channels, g.height, g.width}, f32, memory::format_tag::nhwc);
-  memory::desc output({g.rows, g.features, g.out_h, g.out_w}, f32, memory::format_tag::nhwc);
-  memory::desc bias({g.features}, f32, memory::format_tag::a);
-  memory::dims kernel_dims = {g.features, g.channels, g.kernel_h, g.kernel_w};
-  memory::desc user_kernel(kernel_dims, f32, memory::format_tag::hwio);
-  memory::desc any_kernel(kernel_dims, f32, memory::format_tag::any);
+  if (found == cache.end()) found = cache.emplace(key, std::make_unique<T>(make(g))).first;
+  return *found->second;
+}
+
+Primitive MakePrimitive(const Geometry& g) {
+  const Descriptors d(g);
   dnnl::primitive_attr attr;
   // The caller passes each slice its own scratchpad: slices run at once.
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -109,21 +129,19 @@ const Primitive& Compiled(const Geometry& g) {
     attr.set_post_ops(ops);
   }
   dnnl::convolution_forward::primitive_desc desc(
-      Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, input,
-      any_kernel, bias, output, {g.stride_h, g.stride_w}, {g.pad_top, g.pad_left},
-      {g.pad_bottom, g.pad_right}, attr);
+      Engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, d.input,
+      d.any_kernel, d.bias, d.output, d.strides, d.pad_l, d.pad_r, attr);
   // The reorder too may run on two threads at once (two calls of the policy).
   dnnl::primitive_attr reorder_attr;
   reorder_attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  dnnl::reorder::primitive_desc reorder(Engine(), user_kernel, Engine(), desc.weights_desc(),
+  dnnl::reorder::primitive_desc reorder(Engine(), d.user_kernel, Engine(), desc.weights_desc(),
                                         reorder_attr);
-  auto made = std::make_unique<Primitive>(Primitive{
-      dnnl::convolution_forward(desc), dnnl::reorder(reorder), input, output, bias, user_kernel,
-      desc.weights_desc(), desc.scratchpad_desc(), reorder.scratchpad_desc()});
-  const Primitive& result = *made;
-  cache.emplace(key, std::move(made));
-  return result;
+  return Primitive{dnnl::convolution_forward(desc), dnnl::reorder(reorder), d.input, d.output,
+                   d.bias, d.user_kernel, desc.weights_desc(), desc.scratchpad_desc(),
+                   reorder.scratchpad_desc()};
 }
+
+const Primitive& Compiled(const Geometry& g) { return Cached<Primitive>(g, MakePrimitive); }
 
 // Slices handed out to whichever thread asks next: the calling thread takes
 // slices too, so the call finishes even if no pool thread is free to help.
@@ -157,6 +175,26 @@ struct Slices {
   std::mutex mutex;
   std::condition_variable done;
   std::exception_ptr error;
+};
+
+// A batch cut into one slice per thread of XLA's pool (fewer when there are fewer rows):
+// slice i has `base` rows, one more for the first `extra`, so at most two geometries.
+struct Cut {
+  Cut(memory::dim rows, int64_t threads)
+      : count(static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, threads), rows))),
+        base(rows / count),
+        extra(rows % count) {}
+
+  memory::dim Start(int i) const { return i * base + std::min<memory::dim>(i, extra); }
+
+  Geometry Slice(const Geometry& whole, int i) const {
+    Geometry g = whole;
+    g.rows = base + (i < extra ? 1 : 0);
+    return g;
+  }
+
+  const int count;
+  const memory::dim base, extra;
 };
 
 // Runs slices 0..count-1 of `run` on the calling thread and `pool`'s, returning once all
@@ -199,16 +237,10 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   try {
     // The calling thread is XLA's; it keeps OpenMP single-threaded from here on.
     SingleThreaded();
-    const int threads = std::max<int64_t>(1, pool.num_threads());
-    const int count = static_cast<int>(std::min<int64_t>(threads, whole.rows));
-    // Slice i has `base` rows, one more for the first `extra`: at most two geometries.
-    const memory::dim base = whole.rows / count, extra = whole.rows % count;
+    const Cut cut(whole.rows, pool.num_threads());
+    const int count = cut.count;
     std::vector<const Primitive*> primitives(count);
-    for (int i = 0; i < count; ++i) {
-      Geometry g = whole;
-      g.rows = base + (i < extra ? 1 : 0);
-      primitives[i] = &Compiled(g);
-    }
+    for (int i = 0; i < count; ++i) primitives[i] = &Compiled(cut.Slice(whole, i));
     // The kernel in the layout each primitive chose, reordered once per call per layout.
     thread_local dnnl::stream stream(Engine());
     thread_local std::vector<std::vector<char>> kernel_copies;
@@ -243,7 +275,7 @@ ffi::Error Convolve(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       thread_local dnnl::stream slice_stream(Engine());
       thread_local std::vector<char> scratchpad;
       const Primitive& p = *primitives[i];
-      const int64_t start = i * base + std::min<int64_t>(i, extra);
+      const int64_t start = cut.Start(i);
       memory src(p.input, Engine(), const_cast<float*>(in + start * in_row));
       memory dst(p.output, Engine(), out + start * out_row);
       memory b(p.bias, Engine(), bias.typed_data());
@@ -272,41 +304,34 @@ struct GradientPrimitive {
   memory::desc input, output, bias, kernel, user_kernel, scratchpad, reorder_scratchpad;
 };
 
-const GradientPrimitive& CompiledGradient(const Geometry& g) {
-  static std::mutex mutex;
-  static std::unordered_map<std::string, std::unique_ptr<GradientPrimitive>> cache;
-  const std::string key = g.Key();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = cache.find(key);
-  if (found != cache.end()) return *found->second;
-  const auto f32 = memory::data_type::f32;
-  memory::desc input({g.rows, g.channels, g.height, g.width}, f32, memory::format_tag::nhwc);
-  memory::desc output({g.rows, g.features, g.out_h, g.out_w}, f32, memory::format_tag::nhwc);
-  memory::desc bias({g.features}, f32, memory::format_tag::a);
-  memory::dims kernel_dims = {g.features, g.channels, g.kernel_h, g.kernel_w};
-  memory::desc user_kernel(kernel_dims, f32, memory::format_tag::hwio);
-  memory::desc any_kernel(kernel_dims, f32, memory::format_tag::any);
-  const memory::dims strides = {g.stride_h, g.stride_w}, pad_l = {g.pad_top, g.pad_left},
-                     pad_r = {g.pad_bottom, g.pad_right};
+GradientPrimitive MakeGradientPrimitive(const Geometry& g) {
+  const Descriptors d(g);
   // A backward primitive takes the forward one's description as its hint.
   dnnl::convolution_forward::primitive_desc forward(
-      Engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, input,
-      any_kernel, bias, output, strides, pad_l, pad_r);
+      Engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, d.input,
+      d.any_kernel, d.bias, d.output, d.strides, d.pad_l, d.pad_r);
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   dnnl::convolution_backward_weights::primitive_desc desc(
-      Engine(), dnnl::algorithm::convolution_direct, input, any_kernel, bias, output, strides,
-      pad_l, pad_r, forward, attr);
+      Engine(), dnnl::algorithm::convolution_direct, d.input, d.any_kernel, d.bias, d.output,
+      d.strides, d.pad_l, d.pad_r, forward, attr);
   dnnl::primitive_attr reorder_attr;
   reorder_attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   dnnl::reorder::primitive_desc reorder(Engine(), desc.diff_weights_desc(), Engine(),
-                                        user_kernel, reorder_attr);
-  auto made = std::make_unique<GradientPrimitive>(GradientPrimitive{
-      dnnl::convolution_backward_weights(desc), dnnl::reorder(reorder), input, output, bias,
-      desc.diff_weights_desc(), user_kernel, desc.scratchpad_desc(), reorder.scratchpad_desc()});
-  const GradientPrimitive& result = *made;
-  cache.emplace(key, std::move(made));
-  return result;
+                                        d.user_kernel, reorder_attr);
+  return GradientPrimitive{dnnl::convolution_backward_weights(desc),
+                           dnnl::reorder(reorder),
+                           d.input,
+                           d.output,
+                           d.bias,
+                           desc.diff_weights_desc(),
+                           d.user_kernel,
+                           desc.scratchpad_desc(),
+                           reorder.scratchpad_desc()};
+}
+
+const GradientPrimitive& CompiledGradient(const Geometry& g) {
+  return Cached<GradientPrimitive>(g, MakeGradientPrimitive);
 }
 
 ffi::Error KernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -333,15 +358,10 @@ ffi::Error KernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (whole.rows == 0) return ffi::Error::Success();
   try {
     SingleThreaded();
-    const int threads = std::max<int64_t>(1, pool.num_threads());
-    const int count = static_cast<int>(std::min<int64_t>(threads, whole.rows));
-    const memory::dim base = whole.rows / count, extra = whole.rows % count;
+    const Cut cut(whole.rows, pool.num_threads());
+    const int count = cut.count;
     std::vector<const GradientPrimitive*> primitives(count);
-    for (int i = 0; i < count; ++i) {
-      Geometry g = whole;
-      g.rows = base + (i < extra ? 1 : 0);
-      primitives[i] = &CompiledGradient(g);
-    }
+    for (int i = 0; i < count; ++i) primitives[i] = &CompiledGradient(cut.Slice(whole, i));
     // Each slice's partial gradients, in HWIO; summed below.
     std::vector<std::vector<float>> kernels(count, std::vector<float>(kernel_size));
     std::vector<std::vector<float>> biases(count, std::vector<float>(whole.features));
@@ -354,7 +374,7 @@ ffi::Error KernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       thread_local dnnl::stream slice_stream(Engine());
       thread_local std::vector<char> scratchpad, reorder_scratchpad, blocked;
       const GradientPrimitive& p = *primitives[i];
-      const int64_t start = i * base + std::min<int64_t>(i, extra);
+      const int64_t start = cut.Start(i);
       memory src(p.input, Engine(), const_cast<float*>(in + start * in_row));
       memory diff_dst(p.output, Engine(), const_cast<float*>(grad + start * out_row));
       memory diff_kernel(p.kernel, Engine(), Aligned(blocked, p.kernel.get_size()));
@@ -390,31 +410,31 @@ ffi::Error KernelGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
+// The attributes both handlers take after their buffers: the strides and the pads.
+template <typename Binding>
+auto WithGeometry(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("stride_h")
+      .template Attr<int64_t>("stride_w")
+      .template Attr<int64_t>("pad_top")
+      .template Attr<int64_t>("pad_bottom")
+      .template Attr<int64_t>("pad_left")
+      .template Attr<int64_t>("pad_right");
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SeedrlOnednnConv, Convolve,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("stride_h")
-                                  .Attr<int64_t>("stride_w")
-                                  .Attr<int64_t>("pad_top")
-                                  .Attr<int64_t>("pad_bottom")
-                                  .Attr<int64_t>("pad_left")
-                                  .Attr<int64_t>("pad_right")
+                              WithGeometry(ffi::Ffi::Bind()
+                                               .Ctx<ffi::ThreadPool>()
+                                               .Arg<ffi::Buffer<ffi::F32>>()
+                                               .Arg<ffi::Buffer<ffi::F32>>()
+                                               .Arg<ffi::Buffer<ffi::F32>>()
+                                               .Ret<ffi::Buffer<ffi::F32>>())
                                   .Attr<bool>("relu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SeedrlOnednnConvKernelGrad, KernelGradient,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("stride_h")
-                                  .Attr<int64_t>("stride_w")
-                                  .Attr<int64_t>("pad_top")
-                                  .Attr<int64_t>("pad_bottom")
-                                  .Attr<int64_t>("pad_left")
-                                  .Attr<int64_t>("pad_right"));
+                              WithGeometry(ffi::Ffi::Bind()
+                                               .Ctx<ffi::ThreadPool>()
+                                               .Arg<ffi::Buffer<ffi::F32>>()
+                                               .Arg<ffi::Buffer<ffi::F32>>()
+                                               .Ret<ffi::Buffer<ffi::F32>>()
+                                               .Ret<ffi::Buffer<ffi::F32>>()));
