@@ -162,7 +162,7 @@ def test_the_kernel_gradient_sums_every_slice_and_vmaps_call_by_call():
     geometry = ((2, 2), ((0, 0), (0, 0)))
 
     def on_onednn(x, g):
-        return onednn_conv._kernel_gradient_ffi(x, g, kernel.shape, *geometry)
+        return onednn_conv._kernel_gradient_ffi(x, g, kernel, *geometry)
 
     def on_lax(x, g):
         return onednn_conv._kernel_gradient_lax(x, g, kernel, *geometry)

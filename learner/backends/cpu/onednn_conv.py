@@ -91,7 +91,7 @@ def _self_check() -> None:
         raise RuntimeError(f"differs from lax's convolution by {error}")
     x, kernel, _ = arrays
     grad = jax.device_put(rng.standard_normal(want.shape, dtype=np.float32), cpu)
-    got = jax.jit(lambda x, g: _kernel_gradient_ffi(x, g, kernel.shape, *args[:2]))(x, grad)
+    got = jax.jit(lambda x, g: _kernel_gradient_ffi(x, g, kernel, *args[:2]))(x, grad)
     want = jax.jit(lambda x, g: _kernel_gradient_lax(x, g, kernel, *args[:2]))(x, grad)
     error = max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(got, want, strict=True)
@@ -152,13 +152,13 @@ def _ffi(x, kernel, bias, strides: tuple[int, int], pads: Pads, relu: bool) -> j
 
 
 def _kernel_gradient_ffi(
-    x, output_grad, kernel_shape, strides: tuple[int, int], pads: Pads
+    x, output_grad, kernel, strides: tuple[int, int], pads: Pads
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel's and the bias's gradients of a convolution of `x` whose output (before any
-    ReLU) has the gradient `output_grad`, on oneDNN."""
-    shapes = (
-        jax.ShapeDtypeStruct(tuple(kernel_shape), jnp.float32),
-        jax.ShapeDtypeStruct((kernel_shape[-1],), jnp.float32),
+    ReLU) has the gradient `output_grad`, summed over this call's rows only, on oneDNN."""
+    # lax's shapes carry the manual axes the partial sums vary over (in shard_map).
+    shapes = jax.eval_shape(
+        lambda *a: _kernel_gradient_lax(*a, strides, pads), x, output_grad, kernel
     )
     # The gradient sums over a call's rows: a vmapped call runs once per mapped element.
     return jax.ffi.ffi_call(GRADIENT_TARGET, shapes, vmap_method="sequential")(
@@ -169,10 +169,34 @@ def _kernel_gradient_ffi(
 def _kernel_gradient_lax(
     x, output_grad, kernel, strides: tuple[int, int], pads: Pads
 ) -> tuple[jax.Array, jax.Array]:
+    """The same partial sums through lax."""
+    # A kernel replicated over manual axes that the rows vary over would get its
+    # gradient all-reduced by the transpose of its broadcast; made varying, it stays this
+    # call's partial sum, as the FFI's is, and _to_primal_axes reduces both alike.
+    kernel = _varying_like(kernel, x)
     _, vjp = jax.vjp(
         lambda k: conv_general_dilated(x, k, strides, pads, dimension_numbers=LAYOUT), kernel
     )
     return vjp(output_grad)[0], jnp.sum(output_grad, axis=(0, 1, 2))
+
+
+def _varying_like(a: jax.Array, like: jax.Array) -> jax.Array:
+    missing = tuple(sorted(_varying_axes(like) - _varying_axes(a)))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _varying_axes(a: jax.Array) -> frozenset[str]:
+    """The manual axes (shard_map's) over which `a` differs from device to device."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _to_primal_axes(grad: jax.Array, primal: jax.Array) -> jax.Array:
+    """A partial gradient summed over the manual axes (shard_map's) that it varies over and
+    its primal does not: the data-parallel all-reduce. Outside shard_map, itself."""
+    extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+    return lax.psum(grad, extra) if extra else grad
 
 
 def _on_onednn_or_lax(x, kernel, bias, strides, pads, relu) -> jax.Array:
@@ -192,11 +216,11 @@ def _on_onednn(x, kernel, bias, strides, pads, relu) -> jax.Array:
 
 def _on_onednn_forward(x, kernel, bias, strides, pads, relu):
     y = _on_onednn_or_lax(x, kernel, bias, strides, pads, relu)
-    return y, (x, kernel, y)
+    return y, (x, kernel, bias, y)
 
 
 def _on_onednn_backward(strides, pads, relu, residuals, grad):
-    x, kernel, y = residuals
+    x, kernel, bias, y = residuals
     if relu:
         grad = jnp.where(y > 0, grad, 0.0)
     # The input's gradient stays XLA's (strided_conv's space-to-depth for a strided
@@ -207,10 +231,15 @@ def _on_onednn_backward(strides, pads, relu, residuals, grad):
     kernel_grad, bias_grad = lax.platform_dependent(
         x,
         grad,
-        cpu=lambda x, g: _kernel_gradient_ffi(x, g, kernel.shape, strides, pads),
-        default=lambda x, g: _kernel_gradient_lax(x, g, kernel, strides, pads),
+        kernel,
+        cpu=lambda *args: _kernel_gradient_ffi(*args, strides, pads),
+        default=lambda *args: _kernel_gradient_lax(*args, strides, pads),
     )
-    return input_vjp(grad)[0], kernel_grad, bias_grad
+    return (
+        input_vjp(grad)[0],
+        _to_primal_axes(kernel_grad, kernel),
+        _to_primal_axes(bias_grad, bias),
+    )
 
 
 _on_onednn.defvjp(_on_onednn_forward, _on_onednn_backward)
