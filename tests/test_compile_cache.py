@@ -73,9 +73,10 @@ def test_a_learner_started_again_loads_the_programs_its_first_start_compiled(tmp
     # What the first start did not write (it compiled in under MIN_COMPILE_S) compiles
     # again, and a compile slowed past that bound by a busy machine is written now; no
     # entry the first start wrote is replaced.
-    hits, saved = check_loaded_again(second, asked, written, cache)
-    # The learner's update and inference take seconds to compile: loading them saves time.
-    assert saved > 0, second[-3000:]
+    # CartPole's programs compile in tenths of a second, and a fast machine loads them
+    # in about as long, so the seconds saved may print as 0.0 (the count is checked on
+    # JAX's own events below): the programs loaded are what this checks.
+    hits, _ = check_loaded_again(second, asked, written, cache)
     again = entries(cache)
     assert len(again) - len(written) <= asked - hits, (again, written)
 
@@ -153,3 +154,19 @@ def test_the_cache_directory_follows_jax_then_xdg_then_home(monkeypatch, tmp_pat
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compile_cache.default_dir() == str(tmp_path / "home" / ".cache" / "seedrl" / "xla")
+
+
+def test_the_seconds_saved_sum_what_each_load_saved_and_no_load_costs_any(monkeypatch):
+    """JAX reports each load's compile time less its retrieval; a load slower than the
+    compile it replaced counts as none saved, not as time taken from the others."""
+    monkeypatch.setattr(compile_cache, "_counts", compile_cache.Counts())
+    monkeypatch.setattr(compile_cache, "_directory", "/cache")
+    for _ in range(3):
+        compile_cache._on_event(compile_cache._REQUEST)
+    for saved in (1.25, -0.5, 0.5):
+        compile_cache._on_event(compile_cache._HIT)
+        compile_cache._on_duration(compile_cache._SAVED, saved)
+    compile_cache._on_duration("/jax/compilation_cache/cache_retrieval_time_sec", 9.0)
+    assert compile_cache.summary() == (
+        "3 of 3 programs loaded from the compilation cache /cache (1.8 s of compiling saved)"
+    )
