@@ -115,7 +115,15 @@ class LearnerConfig:
     """The linear scaling rule: when set, the step size is learning_rate x global batch /
     this (the batch learning_rate was tuned for); 0: learning_rate as given."""
     learning_rate_decay: bool = True
-    """Decay the learning rate linearly to 0 at total_env_steps."""
+    """Decay the learning rate linearly to 0 at total_env_steps (or to learning_rate_final
+    at learning_rate_decay_env_steps)."""
+    learning_rate_decay_env_steps: int = 0
+    """With learning_rate_decay: the env steps over which the rate falls to its final value,
+    which it then holds until total_env_steps; 0 (or more than total_env_steps):
+    total_env_steps."""
+    learning_rate_final: float = 0.0
+    """With learning_rate_decay: where the decay ends, as a fraction of the starting rate; a
+    rate that stops at a floor keeps refining the policy after the decay ends."""
     optimizer_epsilon: float = 1e-5
     """Epsilon of Adam or RMSProp."""
     rmsprop_decay: float = 0.99
@@ -245,6 +253,14 @@ class LearnerConfig:
         require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
         require(self.total_env_steps > 0, "total_env_steps must be positive")
         require(self.entropy_decay_env_steps >= 0, "entropy_decay_env_steps must not be negative")
+        require(
+            self.learning_rate_decay_env_steps >= 0,
+            "learning_rate_decay_env_steps must not be negative",
+        )
+        require(
+            0.0 <= self.learning_rate_final <= 1.0,
+            "learning_rate_final must be a fraction of the starting rate, in [0, 1]",
+        )
         require(self.stop_eval_episodes >= 0, "stop_eval_episodes must not be negative")
         require(self.max_abs_reward > 0, "max_abs_reward must be positive")
         require(self.max_streams >= 1, "max_streams must be at least 1")

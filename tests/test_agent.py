@@ -510,6 +510,39 @@ def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
         dataclasses.replace(config, entropy_decay_env_steps=-1)
 
 
+def test_the_learning_rate_decays_to_its_floor_over_its_own_horizon_and_holds_there():
+    import dataclasses
+
+    from learner.config import LearnerConfig
+    from learner.training.settings import learning_rate_schedule
+
+    config = LearnerConfig(
+        total_env_steps=64_000, unroll_length=20, batch_size=16, learning_rate=1e-3
+    )  # 200 updates
+    floor = dataclasses.replace(
+        config, learning_rate_decay_env_steps=16_000, learning_rate_final=0.25
+    )  # 50 updates
+    schedule = learning_rate_schedule(floor)
+    assert float(schedule(0)) == pytest.approx(1e-3)
+    assert float(schedule(25)) == pytest.approx(0.625e-3)
+    for step in (50, 120, 199, 400):
+        assert float(schedule(step)) == pytest.approx(0.25e-3)
+    # A floor with the default horizon is reached at the run's end.
+    late = learning_rate_schedule(dataclasses.replace(config, learning_rate_final=0.5))
+    assert float(late(100)) == pytest.approx(0.75e-3)
+    assert float(late(200)) == pytest.approx(0.5e-3)
+    # A horizon past the run's end ends with the run.
+    past = dataclasses.replace(config, learning_rate_decay_env_steps=640_000)
+    assert float(learning_rate_schedule(past)(200)) == 0.0
+    for bad, field in (
+        ({"learning_rate_decay_env_steps": -1}, "learning_rate_decay_env_steps"),
+        ({"learning_rate_final": 1.5}, "learning_rate_final"),
+        ({"learning_rate_final": -0.1}, "learning_rate_final"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(config, **bad)
+
+
 def test_the_update_kl_of_stacked_frames_runs_the_policy_on_the_strided_steps():
     """Atari's batches hold frames and stack them in the update: the KL after it is the
     policy's on every KL_STEP_STRIDE-th stacked step of the first KL_UNROLLS unrolls."""

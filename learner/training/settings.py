@@ -40,7 +40,14 @@ def learning_rate_schedule(
     learning_rate = scaled_learning_rate(config, global_batch)
     if not config.learning_rate_decay:
         return optax.constant_schedule(learning_rate)
-    return optax.linear_schedule(learning_rate, 0.0, total_updates(config, global_batch))
+    # A horizon past the run's end ends with the run; 0 stays 0, which total_updates reads
+    # as --total-env-steps. optax holds the end value past the horizon.
+    decay_env_steps = min(config.learning_rate_decay_env_steps, config.total_env_steps)
+    return optax.linear_schedule(
+        learning_rate,
+        learning_rate * config.learning_rate_final,
+        total_updates(config, global_batch, decay_env_steps),
+    )
 
 
 def total_updates(config: LearnerConfig, global_batch: int, env_steps: int = 0) -> int:
