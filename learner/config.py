@@ -122,8 +122,8 @@ class LearnerConfig:
     which it then holds until total_env_steps; 0 (or more than total_env_steps):
     total_env_steps."""
     learning_rate_final: float = 0.0
-    """With learning_rate_decay: where the decay ends, as a fraction of the starting rate; a
-    rate that stops at a floor keeps refining the policy after the decay ends."""
+    """With learning_rate_decay: where the decay ends, as a fraction of the starting rate
+    (0: the rate reaches 0)."""
     optimizer_epsilon: float = 1e-5
     """Epsilon of Adam or RMSProp."""
     rmsprop_decay: float = 0.99

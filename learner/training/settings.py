@@ -40,20 +40,18 @@ def learning_rate_schedule(
     learning_rate = scaled_learning_rate(config, global_batch)
     if not config.learning_rate_decay:
         return optax.constant_schedule(learning_rate)
-    # A horizon past the run's end ends with the run; 0 stays 0, which total_updates reads
-    # as --total-env-steps. optax holds the end value past the horizon.
-    decay_env_steps = min(config.learning_rate_decay_env_steps, config.total_env_steps)
+    # optax holds the end value past the horizon.
     return optax.linear_schedule(
         learning_rate,
         learning_rate * config.learning_rate_final,
-        total_updates(config, global_batch, decay_env_steps),
+        total_updates(config, global_batch, config.learning_rate_decay_env_steps),
     )
 
 
 def total_updates(config: LearnerConfig, global_batch: int, env_steps: int = 0) -> int:
     """The gradient steps `env_steps` (default --total-env-steps) buy: where the decaying
-    schedules reach 0."""
-    env_steps = env_steps or config.total_env_steps
+    schedules end. A horizon past the run's end ends with the run."""
+    env_steps = min(env_steps or config.total_env_steps, config.total_env_steps)
     batches = max(1, env_steps // (config.unroll_length * global_batch))
     # The schedules' step count is an int32 on the device.
     return min(batches * config.batch_passes * config.minibatches, 2**31 - 1)
@@ -73,10 +71,9 @@ def optimizer_for(config: LearnerConfig, schedule: optax.Schedule) -> optax.Grad
 def loss_settings(config: LearnerConfig, global_batch: int | None = None) -> learning.LossSettings:
     decay_updates = 0
     if config.entropy_cost_decay:
-        # A run shorter than the bonus's own horizon still ends with the bonus at 0, as the
-        # learning rate does; 0 stays 0, which total_updates reads as --total-env-steps.
-        decay_env_steps = min(config.entropy_decay_env_steps, config.total_env_steps)
-        decay_updates = total_updates(config, global_batch or config.batch_size, decay_env_steps)
+        decay_updates = total_updates(
+            config, global_batch or config.batch_size, config.entropy_decay_env_steps
+        )
     return learning.LossSettings(
         discount=config.discount,
         lambda_=config.vtrace_lambda,
