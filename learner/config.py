@@ -87,6 +87,9 @@ class LearnerConfig:
     torso_channels: tuple[int, ...] = ()
     """Convolution widths of the compact CNNs (two) or impala_resnet (one per stage); empty:
     the torso's own (16,32 and 16,32,32)."""
+    torso_layer_norm: bool = False
+    """LayerNorm on an image torso's last (dense) layer, before its ReLU: the units' inputs
+    keep one scale while the convolutions beneath them learn."""
     lstm_size: int = 0
     """Units of an LSTM core between the torso and the heads (a recurrent agent whose state
     the learner keeps per env); 0: feed-forward."""
@@ -302,6 +305,10 @@ class LearnerConfig:
         require(
             not (self.torso_hidden_size and self.network == "mlp"),
             "torso_hidden_size sizes an image torso; the mlp network's layers are mlp_hidden_sizes",
+        )
+        require(
+            not (self.torso_layer_norm and self.network == "mlp"),
+            "torso_layer_norm normalises an image torso's last layer; not the mlp network's",
         )
         if self.torso_channels:
             check_torso_channels(self.network, self.torso_channels)

@@ -80,6 +80,12 @@ def test_torso_hidden_size_is_refused_for_the_mlp_network():
     assert LearnerConfig(network="compact_cnn", torso_hidden_size=128).torso_hidden_size == 128
 
 
+def test_torso_layer_norm_is_refused_for_the_mlp_network():
+    with pytest.raises(ValueError, match="torso_layer_norm normalises an image torso"):
+        LearnerConfig(network="mlp", torso_layer_norm=True)
+    assert LearnerConfig(network="compact_cnn_centered", torso_layer_norm=True).torso_layer_norm
+
+
 def test_torso_channels_fit_the_torso():
     with pytest.raises(ValueError, match="takes 2 torso_channels, got 3"):
         LearnerConfig(network="compact_cnn_centered", torso_channels=(16, 32, 32))

@@ -177,6 +177,43 @@ def test_torso_hidden_size_is_refused_for_the_mlp():
         make_network("mlp", num_actions=2, torso_hidden_size=32)
 
 
+@pytest.mark.parametrize(
+    ("name", "observation"),
+    [
+        ("compact_cnn_centered", np.zeros((2, 4, 42, 42), np.uint8)),
+        ("compact_cnn", np.zeros((2, 4, 42, 42), np.uint8)),
+        ("nature_cnn", np.zeros((2, 4, 84, 84), np.uint8)),
+        ("impala_resnet", np.zeros((2, 4, 42, 42), np.uint8)),
+        ("smm_cnn", np.zeros((2, 72, 96, 2), np.uint8)),
+    ],
+)
+def test_torso_layer_norm_makes_the_last_layer_blind_to_its_weights_scale(name, observation):
+    """With torso_layer_norm the last layer's pre-activations are normalised before the
+    ReLU: its kernel and bias scaled by 10 leave the policy as it was; without, they do not."""
+    observation = observation + np.arange(observation.size, dtype=np.uint8).reshape(
+        observation.shape
+    )
+
+    def logits_scaled(layer_norm: bool, scale: float) -> np.ndarray:
+        network = make_network(name, 6, torso_hidden_size=16, torso_layer_norm=layer_norm)
+        params = network.init(jax.random.key(0), observation)
+        torso = params["params"]["torso"]
+        assert ("LayerNorm_0" in torso) == layer_norm
+        if layer_norm:
+            assert torso["LayerNorm_0"]["scale"].shape == (16,)
+        dense = jax.tree.map(lambda w: w * scale, torso["Dense_0"])
+        params = {"params": {**params["params"], "torso": {**torso, "Dense_0": dense}}}
+        return np.asarray(network.apply(params, observation).logits)
+
+    np.testing.assert_allclose(logits_scaled(True, 10.0), logits_scaled(True, 1.0), atol=1e-5)
+    assert not np.allclose(logits_scaled(False, 10.0), logits_scaled(False, 1.0), atol=1e-5)
+
+
+def test_torso_layer_norm_is_refused_for_the_mlp():
+    with pytest.raises(ValueError, match="torso_layer_norm"):
+        make_network("mlp", num_actions=2, torso_layer_norm=True)
+
+
 @pytest.mark.parametrize("name", ["nature_cnn", "compact_cnn", "smm_cnn"])
 def test_relu_torso_kernels_start_orthogonal_with_relus_gain(name):
     """Each ReLU layer of the convolutional torsos starts with W^T W = 2 I (fan-in rows

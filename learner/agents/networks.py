@@ -70,24 +70,33 @@ class _ConvReLU(nn.Module):
         return conv_bias_relu(x, kernel, bias, self.strides)
 
 
-def _nature_layers(x: jax.Array, hidden_size: int) -> jax.Array:
+def _dense_relu(x: jax.Array, hidden_size: int, layer_norm: bool, **dense: Any) -> jax.Array:
+    """An image torso's last layer on its flattened features; called inside a module's
+    compact __call__. `layer_norm`: LayerNorm on the pre-activations, before the ReLU,
+    so the units' inputs keep one scale however the convolutions' outputs drift
+    (docs/learning.md, "What was tried")."""
+    x = nn.Dense(hidden_size, **dense)(x.reshape(x.shape[0], -1))
+    return nn.relu(nn.LayerNorm()(x) if layer_norm else x)
+
+
+def _nature_layers(x: jax.Array, hidden_size: int, layer_norm: bool) -> jax.Array:
     """The DQN layers on float [B, H, W, C]; called inside a module's compact __call__."""
     # Named as nn.Conv layers were, so checkpoints keep their parameter tree.
     x = _ConvReLU(32, (8, 8), (4, 4), name="Conv_0")(x)
     x = _ConvReLU(64, (4, 4), (2, 2), name="Conv_1")(x)
     x = _ConvReLU(64, (3, 3), (1, 1), name="Conv_2")(x)
-    x = x.reshape(x.shape[0], -1)
-    return nn.relu(nn.Dense(hidden_size, kernel_init=_relu_init)(x))
+    return _dense_relu(x, hidden_size, layer_norm, kernel_init=_relu_init)
 
 
 class NatureCNN(nn.Module):
     """The DQN torso of Mnih et al. 2015: three convolutions and a 512-unit layer."""
 
     hidden_size: int = 512
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        return _nature_layers(_images_to_float(observations), hidden_size=self.hidden_size)
+        return _nature_layers(_images_to_float(observations), self.hidden_size, self.layer_norm)
 
 
 def _background_shade(x: jax.Array) -> jax.Array:
@@ -136,6 +145,7 @@ class CompactCNN(nn.Module):
     centered: bool = False
     hidden_size: int = 256
     channels: Sequence[int] = (16, 32)
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
@@ -144,8 +154,7 @@ class CompactCNN(nn.Module):
             x = _centered_frames(x)
         for index, channels in enumerate(self.channels):
             x = _ConvReLU(channels, (4, 4), (2, 2), name=f"Conv_{index}")(x)
-        x = x.reshape(x.shape[0], -1)
-        return nn.relu(nn.Dense(self.hidden_size, kernel_init=_relu_init)(x))
+        return _dense_relu(x, self.hidden_size, self.layer_norm, kernel_init=_relu_init)
 
 
 class _ResidualBlock(nn.Module):
@@ -163,6 +172,7 @@ class ImpalaResNet(nn.Module):
 
     channels: Sequence[int] = (16, 32, 32)
     hidden_size: int = 256
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
@@ -172,8 +182,7 @@ class ImpalaResNet(nn.Module):
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
             x = _ResidualBlock(channels)(x)
             x = _ResidualBlock(channels)(x)
-        x = nn.relu(x).reshape(x.shape[0], -1)
-        return nn.relu(nn.Dense(self.hidden_size)(x))
+        return _dense_relu(nn.relu(x), self.hidden_size, self.layer_norm)
 
 
 def _unpack_bits(packed: jax.Array) -> jax.Array:
@@ -194,10 +203,11 @@ class SMMCNN(nn.Module):
     """
 
     hidden_size: int = 256
+    layer_norm: bool = False
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        return _nature_layers(_unpack_bits(observations), hidden_size=self.hidden_size)
+        return _nature_layers(_unpack_bits(observations), self.hidden_size, self.layer_norm)
 
 
 class MLP(nn.Module):
@@ -408,15 +418,19 @@ def make_network(
     lstm_size: int = 0,
     torso_hidden_size: int = 0,
     torso_channels: Sequence[int] = (),
+    torso_layer_norm: bool = False,
 ) -> ActorCritic | RecurrentActorCritic:
     """The torso `name` and the heads; with `lstm_size`, an LSTM core between them.
     `torso_hidden_size`: units of an image torso's last layer (0: the torso's own);
-    `torso_channels`: the compact CNNs' or impala_resnet's convolution widths (empty: their own)."""
+    `torso_channels`: the compact CNNs' or impala_resnet's convolution widths (empty: their own);
+    `torso_layer_norm`: LayerNorm on an image torso's last layer, before its ReLU."""
     hidden = tuple(mlp_hidden_sizes)
     torso_channels = tuple(torso_channels)
     if torso_channels:
         check_torso_channels(name, torso_channels)
     sized: dict[str, Any] = {"hidden_size": torso_hidden_size} if torso_hidden_size else {}
+    if torso_layer_norm:
+        sized["layer_norm"] = True
     widened = {**sized, "channels": torso_channels} if torso_channels else sized
     torsos = {
         "nature_cnn": lambda: NatureCNN(**sized),
@@ -430,6 +444,8 @@ def make_network(
         raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
     if torso_hidden_size and name == "mlp":
         raise ValueError("torso_hidden_size sizes an image torso; the mlp's are mlp_hidden_sizes")
+    if torso_layer_norm and name == "mlp":
+        raise ValueError("torso_layer_norm normalises an image torso's last layer; not the mlp's")
     if lstm_size:
         return RecurrentActorCritic(torsos[name](), num_actions, lstm_size)
     # The feed-forward mlp has a value torso of its own (see ActorCritic).

@@ -174,6 +174,7 @@ def network_of_run(run: dict[str, Any], num_actions: int):
         int(run.get("lstm_size", 0)),
         int(run.get("torso_hidden_size", 0)),
         tuple(run.get("torso_channels", ())),
+        bool(run.get("torso_layer_norm", False)),
     )
 
 
