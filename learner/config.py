@@ -14,7 +14,7 @@ import math
 import time
 from typing import Literal
 
-from learner.agents.networks import NetworkName, check_torso_channels
+from learner.agents.networks import NetworkName, check_torso_channels, check_torso_options
 from learner.backends.devices import device_indices
 from seedrl.transport import KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S, check_keepalive
 
@@ -302,14 +302,7 @@ class LearnerConfig:
             self.torso_hidden_size >= 0,
             "torso_hidden_size must not be negative (0: the torso's own size)",
         )
-        require(
-            not (self.torso_hidden_size and self.network == "mlp"),
-            "torso_hidden_size sizes an image torso; the mlp network's layers are mlp_hidden_sizes",
-        )
-        require(
-            not (self.torso_layer_norm and self.network == "mlp"),
-            "torso_layer_norm normalises an image torso's last layer; not the mlp network's",
-        )
+        check_torso_options(self.network, self.torso_hidden_size, self.torso_layer_norm)
         if self.torso_channels:
             check_torso_channels(self.network, self.torso_channels)
         require(self.batch_size_per_device >= 0, "batch_size_per_device must not be negative")

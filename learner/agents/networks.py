@@ -411,6 +411,20 @@ def check_torso_channels(name: str, torso_channels: Sequence[int]) -> None:
         raise ValueError(f"torso_channels must be positive, got {torso_channels}")
 
 
+def check_torso_options(name: str, torso_hidden_size: int, torso_layer_norm: bool) -> None:
+    """ValueError where the image torsos' last-layer options are given to the mlp."""
+    if name != "mlp":
+        return
+    if torso_hidden_size:
+        raise ValueError(
+            "torso_hidden_size sizes an image torso; the mlp network's layers are mlp_hidden_sizes"
+        )
+    if torso_layer_norm:
+        raise ValueError(
+            "torso_layer_norm normalises an image torso's last layer; not the mlp network's"
+        )
+
+
 def make_network(
     name: NetworkName,
     num_actions: int,
@@ -442,10 +456,7 @@ def make_network(
     }
     if name not in torsos:
         raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
-    if torso_hidden_size and name == "mlp":
-        raise ValueError("torso_hidden_size sizes an image torso; the mlp's are mlp_hidden_sizes")
-    if torso_layer_norm and name == "mlp":
-        raise ValueError("torso_layer_norm normalises an image torso's last layer; not the mlp's")
+    check_torso_options(name, torso_hidden_size, torso_layer_norm)
     if lstm_size:
         return RecurrentActorCritic(torsos[name](), num_actions, lstm_size)
     # The feed-forward mlp has a value torso of its own (see ActorCritic).
