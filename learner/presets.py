@@ -22,10 +22,14 @@ PRESETS: dict[str, LearnerConfig] = {
     # sharpened before it had learned in some runs, which then lagged for the rest of the
     # hour. Advantages are not normalised: at their raw scale the entropy bonus holds the
     # policy near uniform longer, and Pong leaves random play sooner (docs/learning.md).
+    # LayerNorm on the dense layer's inputs to its ReLU keeps them at one scale while the
+    # convolutions beneath learn: from one seed +18 at 21M frames where the run without
+    # stood at +14.6, from another level with it per frame.
     "atari": LearnerConfig(
         env="atari:Pong",
         network="compact_cnn_centered",
         torso_hidden_size=128,
+        torso_layer_norm=True,
         total_env_steps=8_500_000,
         learning_rate=7.5e-4,
         entropy_cost=0.02,
