@@ -24,7 +24,7 @@ PRESETS: dict[str, LearnerConfig] = {
     # policy near uniform longer, and Pong leaves random play sooner (docs/learning.md).
     # LayerNorm on the dense layer's inputs to its ReLU keeps them at one scale while the
     # convolutions beneath learn: from one seed +18 at 21M frames where the run without
-    # stood at +14.6, from another level with it per frame.
+    # stood at +14.6, from two others within a point of it per frame.
     "atari": LearnerConfig(
         env="atari:Pong",
         network="compact_cnn_centered",
