@@ -442,16 +442,17 @@ def make_network(
     torso_channels = tuple(torso_channels)
     if torso_channels:
         check_torso_channels(name, torso_channels)
-    sized: dict[str, Any] = {"hidden_size": torso_hidden_size} if torso_hidden_size else {}
+    # The last layer's options, passed only where given, so each torso keeps its own defaults.
+    last_layer: dict[str, Any] = {"hidden_size": torso_hidden_size} if torso_hidden_size else {}
     if torso_layer_norm:
-        sized["layer_norm"] = True
-    widened = {**sized, "channels": torso_channels} if torso_channels else sized
+        last_layer["layer_norm"] = True
+    widened = {**last_layer, "channels": torso_channels} if torso_channels else last_layer
     torsos = {
-        "nature_cnn": lambda: NatureCNN(**sized),
+        "nature_cnn": lambda: NatureCNN(**last_layer),
         "compact_cnn": lambda: CompactCNN(**widened),
         "compact_cnn_centered": lambda: CompactCNN(centered=True, **widened),
         "impala_resnet": lambda: ImpalaResNet(**widened),
-        "smm_cnn": lambda: SMMCNN(**sized),
+        "smm_cnn": lambda: SMMCNN(**last_layer),
         "mlp": lambda: MLP(hidden),
     }
     if name not in torsos:
