@@ -14,7 +14,12 @@ import math
 import time
 from typing import Literal
 
-from learner.agents.networks import NetworkName, check_torso_channels, check_torso_options
+from learner.agents.networks import (
+    NetworkName,
+    TorsoActivation,
+    check_torso_channels,
+    check_torso_options,
+)
 from learner.backends.devices import device_indices
 from seedrl.transport import KEEPALIVE_INTERVAL_S, KEEPALIVE_TIMEOUT_S, check_keepalive
 
@@ -90,6 +95,11 @@ class LearnerConfig:
     torso_layer_norm: bool = False
     """LayerNorm on an image torso's last (dense) layer, before its ReLU: the units' inputs
     keep one scale while the convolutions beneath them learn."""
+    torso_activation: TorsoActivation = "relu"
+    """The activation of an image torso's last (dense) layer. Under relu a unit that an
+    update switches off for every state gets no gradient again and stays off; leaky_relu
+    passes it a hundredth of its gradient, which Adam's per-parameter scaling turns into
+    steps of the usual size."""
     lstm_size: int = 0
     """Units of an LSTM core between the torso and the heads (a recurrent agent whose state
     the learner keeps per env); 0: feed-forward."""
@@ -302,7 +312,9 @@ class LearnerConfig:
             self.torso_hidden_size >= 0,
             "torso_hidden_size must not be negative (0: the torso's own size)",
         )
-        check_torso_options(self.network, self.torso_hidden_size, self.torso_layer_norm)
+        check_torso_options(
+            self.network, self.torso_hidden_size, self.torso_layer_norm, self.torso_activation
+        )
         if self.torso_channels:
             check_torso_channels(self.network, self.torso_channels)
         require(self.batch_size_per_device >= 0, "batch_size_per_device must not be negative")

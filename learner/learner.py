@@ -101,6 +101,7 @@ class Learner:
             config.torso_hidden_size,
             config.torso_channels,
             config.torso_layer_norm,
+            config.torso_activation,
         )
         agent = self.agent = make_agent(network)
         init_key, self._policy_key = jax.random.split(jax.random.key(config.seed))

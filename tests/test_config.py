@@ -80,6 +80,14 @@ def test_torso_hidden_size_is_refused_for_the_mlp_network():
     assert LearnerConfig(network="compact_cnn", torso_hidden_size=128).torso_hidden_size == 128
 
 
+def test_torso_activation_is_checked():
+    with pytest.raises(ValueError, match="unknown torso_activation 'swish'"):
+        LearnerConfig(torso_activation="swish")
+    with pytest.raises(ValueError, match="the mlp network's is tanh"):
+        LearnerConfig(network="mlp", torso_activation="leaky_relu")
+    assert LearnerConfig(torso_activation="leaky_relu").torso_activation == "leaky_relu"
+
+
 def test_torso_layer_norm_is_refused_for_the_mlp_network():
     with pytest.raises(ValueError, match="torso_layer_norm normalises an image torso"):
         LearnerConfig(network="mlp", torso_layer_norm=True)

@@ -214,6 +214,60 @@ def test_torso_layer_norm_is_refused_for_the_mlp():
         make_network("mlp", num_actions=2, torso_layer_norm=True)
 
 
+@pytest.mark.parametrize(
+    ("name", "observation"),
+    [
+        ("compact_cnn_centered", np.zeros((2, 4, 42, 42), np.uint8)),
+        ("nature_cnn", np.zeros((2, 4, 84, 84), np.uint8)),
+        ("impala_resnet", np.zeros((2, 4, 42, 42), np.uint8)),
+        ("smm_cnn", np.zeros((2, 72, 96, 2), np.uint8)),
+    ],
+)
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_a_last_layer_unit_switched_off_for_every_state_learns_again_under_leaky_relu(
+    name, observation, layer_norm
+):
+    """A last-layer unit pushed far below 0 for every input gets no gradient under relu, so
+    it stays off for good; under leaky_relu its incoming weights still get one."""
+    observation = observation + np.arange(observation.size, dtype=np.uint8).reshape(
+        observation.shape
+    )
+
+    def off_unit_gradient(activation: str) -> float:
+        network = make_network(
+            name, 6, torso_hidden_size=8, torso_layer_norm=layer_norm, torso_activation=activation
+        )
+        params = network.init(jax.random.key(0), observation)
+        torso = params["params"]["torso"]
+        # Unit 0 off for every input: its bias (LayerNorm's, where there is one) at -1000.
+        last = "LayerNorm_0" if layer_norm else "Dense_0"
+        bias = torso[last]["bias"].at[0].set(-1000.0)
+        torso = {**torso, last: {**torso[last], "bias": bias}}
+        params = {"params": {**params["params"], "torso": torso}}
+
+        def loss(params):
+            output = network.apply(params, observation)
+            return jnp.sum(output.logits**2) + jnp.sum(output.values**2)
+
+        gradient = jax.grad(loss)(params)["params"]["torso"]
+        return float(jnp.abs(gradient[last]["bias"][0]))
+
+    assert off_unit_gradient("relu") == 0.0
+    assert off_unit_gradient("leaky_relu") > 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "activation", "message"),
+    [
+        ("mlp", "leaky_relu", "the mlp network's is tanh"),
+        ("compact_cnn", "gelu", "unknown torso_activation 'gelu'; choose one of relu, leaky_relu"),
+    ],
+)
+def test_torso_activation_is_refused_where_it_cannot_apply(name, activation, message):
+    with pytest.raises(ValueError, match=message):
+        make_network(name, num_actions=2, torso_activation=activation)
+
+
 @pytest.mark.parametrize("name", ["nature_cnn", "compact_cnn", "smm_cnn"])
 def test_relu_torso_kernels_start_orthogonal_with_relus_gain(name):
     """Each ReLU layer of the convolutional torsos starts with W^T W = 2 I (fan-in rows

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import flax.linen as nn
 import jax
@@ -70,22 +70,34 @@ class _ConvReLU(nn.Module):
         return conv_bias_relu(x, kernel, bias, self.strides)
 
 
-def _dense_relu(x: jax.Array, hidden_size: int, layer_norm: bool, **dense: Any) -> jax.Array:
+TorsoActivation = Literal["relu", "leaky_relu"]
+TORSO_ACTIVATIONS: tuple[TorsoActivation, ...] = get_args(TorsoActivation)
+
+# Under ReLU a unit of an image torso's last layer whose inputs an update pushes below 0 for
+# every state gets no gradient again and stays off. Leaky ReLU passes it a hundredth of its
+# gradient, and Adam scales each parameter's step by its own gradient's size, so such a
+# unit can move back at about the speed of the others (docs/learning.md, "What was tried").
+_activations = {"relu": nn.relu, "leaky_relu": nn.leaky_relu}
+
+
+def _dense_relu(
+    x: jax.Array, hidden_size: int, layer_norm: bool, activation: str = "relu", **dense: Any
+) -> jax.Array:
     """An image torso's last layer on its flattened features; called inside a module's
-    compact __call__. `layer_norm`: LayerNorm on the pre-activations, before the ReLU,
-    so the units' inputs keep one scale however the convolutions' outputs drift
-    (docs/learning.md, "What was tried")."""
+    compact __call__. `layer_norm`: LayerNorm on the pre-activations, before the
+    activation, so the units' inputs keep one scale however the convolutions' outputs
+    drift (docs/learning.md, "What was tried"). `activation`: one of TORSO_ACTIVATIONS."""
     x = nn.Dense(hidden_size, **dense)(x.reshape(x.shape[0], -1))
-    return nn.relu(nn.LayerNorm()(x) if layer_norm else x)
+    return _activations[activation](nn.LayerNorm()(x) if layer_norm else x)
 
 
-def _nature_layers(x: jax.Array, hidden_size: int, layer_norm: bool) -> jax.Array:
+def _nature_layers(x: jax.Array, hidden_size: int, layer_norm: bool, activation: str) -> jax.Array:
     """The DQN layers on float [B, H, W, C]; called inside a module's compact __call__."""
     # Named as nn.Conv layers were, so checkpoints keep their parameter tree.
     x = _ConvReLU(32, (8, 8), (4, 4), name="Conv_0")(x)
     x = _ConvReLU(64, (4, 4), (2, 2), name="Conv_1")(x)
     x = _ConvReLU(64, (3, 3), (1, 1), name="Conv_2")(x)
-    return _dense_relu(x, hidden_size, layer_norm, kernel_init=_relu_init)
+    return _dense_relu(x, hidden_size, layer_norm, activation, kernel_init=_relu_init)
 
 
 class NatureCNN(nn.Module):
@@ -93,10 +105,12 @@ class NatureCNN(nn.Module):
 
     hidden_size: int = 512
     layer_norm: bool = False
+    activation: TorsoActivation = "relu"
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        return _nature_layers(_images_to_float(observations), self.hidden_size, self.layer_norm)
+        x = _images_to_float(observations)
+        return _nature_layers(x, self.hidden_size, self.layer_norm, self.activation)
 
 
 def _background_shade(x: jax.Array) -> jax.Array:
@@ -146,6 +160,7 @@ class CompactCNN(nn.Module):
     hidden_size: int = 256
     channels: Sequence[int] = (16, 32)
     layer_norm: bool = False
+    activation: TorsoActivation = "relu"
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
@@ -154,7 +169,9 @@ class CompactCNN(nn.Module):
             x = _centered_frames(x)
         for index, channels in enumerate(self.channels):
             x = _ConvReLU(channels, (4, 4), (2, 2), name=f"Conv_{index}")(x)
-        return _dense_relu(x, self.hidden_size, self.layer_norm, kernel_init=_relu_init)
+        return _dense_relu(
+            x, self.hidden_size, self.layer_norm, self.activation, kernel_init=_relu_init
+        )
 
 
 class _ResidualBlock(nn.Module):
@@ -173,6 +190,7 @@ class ImpalaResNet(nn.Module):
     channels: Sequence[int] = (16, 32, 32)
     hidden_size: int = 256
     layer_norm: bool = False
+    activation: TorsoActivation = "relu"
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
@@ -182,7 +200,7 @@ class ImpalaResNet(nn.Module):
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
             x = _ResidualBlock(channels)(x)
             x = _ResidualBlock(channels)(x)
-        return _dense_relu(nn.relu(x), self.hidden_size, self.layer_norm)
+        return _dense_relu(nn.relu(x), self.hidden_size, self.layer_norm, self.activation)
 
 
 def _unpack_bits(packed: jax.Array) -> jax.Array:
@@ -204,10 +222,12 @@ class SMMCNN(nn.Module):
 
     hidden_size: int = 256
     layer_norm: bool = False
+    activation: TorsoActivation = "relu"
 
     @nn.compact
     def __call__(self, observations: jax.Array) -> jax.Array:
-        return _nature_layers(_unpack_bits(observations), self.hidden_size, self.layer_norm)
+        x = _unpack_bits(observations)
+        return _nature_layers(x, self.hidden_size, self.layer_norm, self.activation)
 
 
 class MLP(nn.Module):
@@ -411,8 +431,16 @@ def check_torso_channels(name: str, torso_channels: Sequence[int]) -> None:
         raise ValueError(f"torso_channels must be positive, got {torso_channels}")
 
 
-def check_torso_options(name: str, torso_hidden_size: int, torso_layer_norm: bool) -> None:
-    """ValueError where the image torsos' last-layer options are given to the mlp."""
+def check_torso_options(
+    name: str, torso_hidden_size: int, torso_layer_norm: bool, torso_activation: str = "relu"
+) -> None:
+    """ValueError where the image torsos' last-layer options are given to the mlp, or the
+    activation is not one of TORSO_ACTIVATIONS."""
+    if torso_activation not in TORSO_ACTIVATIONS:
+        raise ValueError(
+            f"unknown torso_activation {torso_activation!r}; choose one of "
+            + ", ".join(TORSO_ACTIVATIONS)
+        )
     if name != "mlp":
         return
     if torso_hidden_size:
@@ -422,6 +450,10 @@ def check_torso_options(name: str, torso_hidden_size: int, torso_layer_norm: boo
     if torso_layer_norm:
         raise ValueError(
             "torso_layer_norm normalises an image torso's last layer; not the mlp network's"
+        )
+    if torso_activation != "relu":
+        raise ValueError(
+            "torso_activation is an image torso's last layer's; the mlp network's is tanh"
         )
 
 
@@ -433,11 +465,13 @@ def make_network(
     torso_hidden_size: int = 0,
     torso_channels: Sequence[int] = (),
     torso_layer_norm: bool = False,
+    torso_activation: TorsoActivation = "relu",
 ) -> ActorCritic | RecurrentActorCritic:
     """The torso `name` and the heads; with `lstm_size`, an LSTM core between them.
     `torso_hidden_size`: units of an image torso's last layer (0: the torso's own);
     `torso_channels`: the compact CNNs' or impala_resnet's convolution widths (empty: their own);
-    `torso_layer_norm`: LayerNorm on an image torso's last layer, before its ReLU."""
+    `torso_layer_norm`: LayerNorm on an image torso's last layer, before its activation;
+    `torso_activation`: that layer's activation (TORSO_ACTIVATIONS)."""
     hidden = tuple(mlp_hidden_sizes)
     torso_channels = tuple(torso_channels)
     if torso_channels:
@@ -446,6 +480,8 @@ def make_network(
     last_layer: dict[str, Any] = {"hidden_size": torso_hidden_size} if torso_hidden_size else {}
     if torso_layer_norm:
         last_layer["layer_norm"] = True
+    if torso_activation != "relu":
+        last_layer["activation"] = torso_activation
     widened = {**last_layer, "channels": torso_channels} if torso_channels else last_layer
     torsos = {
         "nature_cnn": lambda: NatureCNN(**last_layer),
@@ -457,7 +493,7 @@ def make_network(
     }
     if name not in torsos:
         raise ValueError(f"unknown network {name!r}; choose one of {', '.join(torsos)}")
-    check_torso_options(name, torso_hidden_size, torso_layer_norm)
+    check_torso_options(name, torso_hidden_size, torso_layer_norm, torso_activation)
     if lstm_size:
         return RecurrentActorCritic(torsos[name](), num_actions, lstm_size)
     # The feed-forward mlp has a value torso of its own (see ActorCritic).
