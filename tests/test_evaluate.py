@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from learner.inference.player import quotas
-from learner.tools.evaluate import EvalConfig, network_of_run
+from learner.tools.evaluate import (
+    UNIT_FRAMES,
+    EvalConfig,
+    FrameSample,
+    network_of_run,
+    torso_units,
+)
 from tests.fleet import ROOT
 
 EVAL = str(ROOT / ".venv" / "bin" / "seedrl-eval")
@@ -68,6 +74,9 @@ def test_the_network_is_the_one_the_run_trained():
     normalised = network_of_run({**run, "torso_layer_norm": True}, num_actions=6)
     params = normalised.init(jax.random.key(0), np.zeros((1, 4, 42, 42), np.uint8))
     assert params["params"]["torso"]["LayerNorm_0"]["scale"].shape == (64,)
+    assert network_of_run(run, num_actions=6).torso.activation == "relu"
+    leaky = network_of_run({**run, "torso_activation": "leaky_relu"}, num_actions=6)
+    assert leaky.torso.activation == "leaky_relu"
     older = network_of_run({"env": "atari:Pong", "network": "compact_cnn"}, num_actions=6)
     params = older.init(jax.random.key(0), np.zeros((1, 4, 42, 42), np.uint8))
     assert params["params"]["torso"]["Dense_0"]["kernel"].shape == (2592, 256)
@@ -182,3 +191,65 @@ def test_a_checkpoint_plays_on_the_env_it_is_given(tmp_path):
     assert summary["episodes"] == 1
     # NOOP for ever: the opponent scores 21 and the agent nothing.
     assert summary["mean"] == -21.0
+
+
+def test_frames_for_the_unit_count_spread_over_the_whole_play():
+    """However long the play, at most `limit` frames are kept, from its start to its end
+    at an even stride."""
+    sample = FrameSample(limit=64)
+    for step in range(10_000):
+        sample(np.full((8, 1), step, np.int32))
+    steps = sample.frames()[:, 0]
+    assert len(steps) == 64
+    assert steps[0] == 0 and steps[-1] >= 9_000
+    gaps = np.diff(np.unique(steps))
+    assert gaps.max() <= 2 * gaps.min()  # about one stride between the steps kept
+    short = FrameSample(limit=64)
+    short(np.zeros((3, 1), np.int32))
+    assert short.frames().shape == (3, 1)
+
+
+def test_the_unit_count_finds_a_unit_switched_off_for_every_frame():
+    from learner.agents.networks import make_network
+
+    network = make_network("compact_cnn_centered", 6, torso_hidden_size=32)
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (64, 4, 42, 42), dtype=np.uint8)
+    params = network.init(jax.random.key(0), frames[:1])
+
+    def with_dense_bias(bias) -> dict:
+        torso = params["params"]["torso"]
+        dense = {**torso["Dense_0"], "bias": bias}
+        return {"params": {**params["params"], "torso": {**torso, "Dense_0": dense}}}
+
+    on = torso_units(network, with_dense_bias(jax.numpy.full((32,), 1000.0)), frames)
+    assert on == {"units": 32, "off": 0, "active_fraction": 1.0, "frames": 64}
+    one_off = jax.numpy.full((32,), 1000.0).at[5].set(-1000.0)
+    counted = torso_units(network, with_dense_bias(one_off), frames)
+    assert counted["off"] == 1
+    assert counted["active_fraction"] == pytest.approx(31 / 32, abs=1e-4)
+
+
+def test_units_are_counted_on_the_frames_played(tmp_path):
+    """--units on a checkpoint whose parameters are all zero: every unit outputs 0 on every
+    frame, so all of them are counted as never firing."""
+    run_dir = constant_run(tmp_path / "run", "atari:Pong")
+    result = run("--run-dir", str(run_dir), "--episodes", "1", "--units")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    units = summary["torso_units"]
+    assert units["units"] == 256 and units["off"] == 256 and units["active_fraction"] == 0.0
+    # One env, one episode shorter than UNIT_FRAMES steps: every frame it saw.
+    assert units["frames"] == summary["lengths"][0] < UNIT_FRAMES
+    assert "256 of 256 units never fire" in result.stdout
+    plain = run("--run-dir", str(run_dir), "--episodes", "1")
+    assert json.loads(plain.stdout.strip().splitlines()[-1])["torso_units"] is None
+
+
+def test_units_are_refused_for_the_mlp(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"env": "classic:CartPole-v1", "network": "mlp", "mlp_hidden_sizes": [64, 64]})
+    )
+    result = run("--run-dir", str(tmp_path), "--episodes", "1", "--units")
+    assert result.returncode == 1
+    assert "--units counts an image torso's last-layer ReLU units" in result.stderr

@@ -86,11 +86,13 @@ class Player:
         seed: int,
         video: Any = None,
         cancelled: Callable[[], bool] = lambda: False,
+        observed: Callable[[Any], None] | None = None,
     ) -> tuple[list[float], list[int]]:
         """(returns, lengths) of `episodes` episodes, spread evenly over the env's copies
         (each plays its own quota, so short episodes are not over-counted), from a reset.
         With `video` (a writer with `add(frame)`), the first episode of env 0 is recorded. Stops early, with what it has,
-        once `cancelled()` says so."""
+        once `cancelled()` says so. `observed`, where given, gets each step's observations
+        as the policy sees them (stacked)."""
         import numpy as np
 
         from learner.data.frame_stack import FrameStacker
@@ -111,9 +113,10 @@ class Player:
         if recording:
             video.add(env.render())
         while sum(played) < episodes and not cancelled():
-            actions, state, key = self._act(
-                params, stacker(step.observations, first), first, state, key
-            )
+            observations = stacker(step.observations, first)
+            if observed is not None:
+                observed(observations)
+            actions, state, key = self._act(params, observations, first, state, key)
             step = env.step(np.asarray(actions))
             first = step.terminated | step.truncated  # the next observation starts anew
             running += step.rewards

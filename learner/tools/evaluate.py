@@ -59,6 +59,10 @@ class EvalConfig:
     """Frames per second of the video; 0: the env's own rate."""
     json: str = ""
     """Also write the result as JSON to this file."""
+    units: bool = False
+    """Also count the image torso's last-layer units that never fire (output above 0) on
+    up to UNIT_FRAMES frames spread over the play: under ReLU such a unit gets no gradient
+    and has switched off for good."""
     compilation_cache: bool = True
     """Load the policy's compiled programs from the persistent compilation cache the
     learner uses, and write those it compiles, so that the next evaluation of a run of
@@ -78,6 +82,60 @@ class EvalConfig:
             raise ValueError("video_fps must not be negative")
 
 
+UNIT_FRAMES = 2048
+"""The most frames --units keeps, spread evenly over the play."""
+
+
+class FrameSample:
+    """Every `stride`-th step's observations, the stride doubling (every other kept step
+    dropped) whenever twice `limit` frames are held, so that the frames kept spread over
+    the whole play however long it turns out to be."""
+
+    def __init__(self, limit: int = UNIT_FRAMES):
+        self.limit = limit
+        self.stride = 1
+        self._step = 0
+        self._held = 0
+        self._steps: list[Any] = []
+
+    def __call__(self, observations: Any) -> None:
+        import numpy as np
+
+        if self._step % self.stride == 0:
+            self._steps.append(np.array(observations))
+            self._held += len(observations)
+            if self._held >= 2 * self.limit:
+                self._steps = self._steps[::2]
+                self._held = sum(len(step) for step in self._steps)
+                self.stride *= 2
+        self._step += 1
+
+    def frames(self) -> Any:
+        """The frames kept, at most `limit` of them, evenly spaced."""
+        import numpy as np
+
+        frames = np.concatenate(self._steps)
+        if len(frames) <= self.limit:
+            return frames
+        return frames[np.linspace(0, len(frames) - 1, self.limit).round().astype(int)]
+
+
+def torso_units(network: Any, params: Any, observations: Any) -> dict[str, Any]:
+    """The torso's last-layer units on `observations`: how many there are, how many never
+    fire (output at most 0 on every one), and the share of (frame, unit) pairs that fire."""
+    import numpy as np
+
+    torso = {"params": params["params"]["torso"]}
+    features = np.asarray(network.torso.apply(torso, observations))
+    fires = features > 0
+    return {
+        "units": int(features.shape[-1]),
+        "off": int(np.sum(~fires.any(axis=0))),
+        "active_fraction": round(float(fires.mean()), 4),
+        "frames": int(features.shape[0]),
+    }
+
+
 @dataclasses.dataclass
 class EvalResult:
     env: str
@@ -88,6 +146,7 @@ class EvalResult:
     lengths: list[int]
     seconds: float
     video: str | None
+    torso_units: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
         n = len(self.returns)
@@ -108,6 +167,7 @@ class EvalResult:
             "lengths": self.lengths,
             "seconds": round(self.seconds, 2),
             "video": self.video,
+            "torso_units": self.torso_units,
         }
 
 
@@ -175,6 +235,7 @@ def network_of_run(run: dict[str, Any], num_actions: int):
         int(run.get("torso_hidden_size", 0)),
         tuple(run.get("torso_channels", ())),
         bool(run.get("torso_layer_norm", False)),
+        run.get("torso_activation", "relu"),
     )
 
 
@@ -227,6 +288,12 @@ def evaluate(config: EvalConfig) -> EvalResult:
         raise SystemExit(f"seedrl-eval: {env_id} cannot render a video ({error})") from error
     spec = env.spec
     network = network_of_run(run, spec.action.num_actions)
+    if config.units and run.get("network", "nature_cnn") == "mlp":
+        env.close()
+        raise SystemExit(
+            "seedrl-eval: --units counts an image torso's last-layer ReLU units; "
+            "the mlp network's layers are tanh"
+        )
     model_observation = spec.model_observation
     example = np.zeros((1, *model_observation.shape), model_observation.np_dtype)
     try:
@@ -242,13 +309,18 @@ def evaluate(config: EvalConfig) -> EvalResult:
         fps = config.video_fps or int(getattr(env, "render_fps", 30))
         video = VideoWriter(config.video, fps)
     started = time.perf_counter()
+    sample = FrameSample() if config.units else None
     try:
         player = Player(make_agent(network), spec, config.sample, config.epsilon)
-        returns, lengths = player.play(env, params, config.episodes, config.seed, video)
+        returns, lengths = player.play(
+            env, params, config.episodes, config.seed, video, observed=sample
+        )
     finally:
         env.close()
         if video is not None:
             video.close()
+    seconds = time.perf_counter() - started
+    units = torso_units(network, params, sample.frames()) if sample is not None else None
     return EvalResult(
         env=env_id,
         checkpoint_updates=int(meta.get("updates", -1)),
@@ -256,8 +328,9 @@ def evaluate(config: EvalConfig) -> EvalResult:
         policy=player.policy,
         returns=returns,
         lengths=lengths,
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
         video=os.path.abspath(config.video) if config.video else None,
+        torso_units=units,
     )
 
 
@@ -276,6 +349,13 @@ def table(summary: dict[str, Any]) -> str:
     lines = [title, header, row]
     if summary["video"]:
         lines.append(f"video of the first episode: {summary['video']}")
+    units = summary.get("torso_units")
+    if units:
+        lines.append(
+            f"torso's last layer: {units['off']} of {units['units']} units never fire on "
+            f"{units['frames']:,} frames of the play; a unit fires on "
+            f"{units['active_fraction']:.1%} of them on average"
+        )
     return "\n".join(lines)
 
 
