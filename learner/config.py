@@ -98,8 +98,8 @@ class LearnerConfig:
     torso_activation: TorsoActivation = "relu"
     """The activation of an image torso's last (dense) layer. Under relu a unit that an
     update switches off for every state gets no gradient again and stays off; leaky_relu
-    passes it a hundredth of its gradient, which Adam's per-parameter scaling turns into
-    steps of the usual size."""
+    passes it a hundredth of its gradient, which Adam's per-parameter scaling can turn into
+    steps of about the usual size."""
     lstm_size: int = 0
     """Units of an LSTM core between the torso and the heads (a recurrent agent whose state
     the learner keeps per env); 0: feed-forward."""

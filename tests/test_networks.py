@@ -177,16 +177,17 @@ def test_torso_hidden_size_is_refused_for_the_mlp():
         make_network("mlp", num_actions=2, torso_hidden_size=32)
 
 
-@pytest.mark.parametrize(
-    ("name", "observation"),
-    [
-        ("compact_cnn_centered", np.zeros((2, 4, 42, 42), np.uint8)),
-        ("compact_cnn", np.zeros((2, 4, 42, 42), np.uint8)),
-        ("nature_cnn", np.zeros((2, 4, 84, 84), np.uint8)),
-        ("impala_resnet", np.zeros((2, 4, 42, 42), np.uint8)),
-        ("smm_cnn", np.zeros((2, 72, 96, 2), np.uint8)),
-    ],
-)
+# Each image torso with a batch of the observations it is built for.
+IMAGE_TORSOS = [
+    ("compact_cnn_centered", np.zeros((2, 4, 42, 42), np.uint8)),
+    ("compact_cnn", np.zeros((2, 4, 42, 42), np.uint8)),
+    ("nature_cnn", np.zeros((2, 4, 84, 84), np.uint8)),
+    ("impala_resnet", np.zeros((2, 4, 42, 42), np.uint8)),
+    ("smm_cnn", np.zeros((2, 72, 96, 2), np.uint8)),
+]
+
+
+@pytest.mark.parametrize(("name", "observation"), IMAGE_TORSOS)
 def test_torso_layer_norm_makes_the_last_layer_blind_to_its_weights_scale(name, observation):
     """With torso_layer_norm the last layer's pre-activations are normalised before the
     ReLU: its kernel and bias scaled by 10 leave the policy as it was; without, they do not."""
@@ -214,15 +215,7 @@ def test_torso_layer_norm_is_refused_for_the_mlp():
         make_network("mlp", num_actions=2, torso_layer_norm=True)
 
 
-@pytest.mark.parametrize(
-    ("name", "observation"),
-    [
-        ("compact_cnn_centered", np.zeros((2, 4, 42, 42), np.uint8)),
-        ("nature_cnn", np.zeros((2, 4, 84, 84), np.uint8)),
-        ("impala_resnet", np.zeros((2, 4, 42, 42), np.uint8)),
-        ("smm_cnn", np.zeros((2, 72, 96, 2), np.uint8)),
-    ],
-)
+@pytest.mark.parametrize(("name", "observation"), IMAGE_TORSOS)
 @pytest.mark.parametrize("layer_norm", [False, True])
 def test_a_last_layer_unit_switched_off_for_every_state_learns_again_under_leaky_relu(
     name, observation, layer_norm

@@ -80,7 +80,7 @@ TORSO_ACTIVATIONS: tuple[TorsoActivation, ...] = get_args(TorsoActivation)
 _activations = {"relu": nn.relu, "leaky_relu": nn.leaky_relu}
 
 
-def _dense_relu(
+def _dense_layer(
     x: jax.Array, hidden_size: int, layer_norm: bool, activation: str = "relu", **dense: Any
 ) -> jax.Array:
     """An image torso's last layer on its flattened features; called inside a module's
@@ -97,7 +97,7 @@ def _nature_layers(x: jax.Array, hidden_size: int, layer_norm: bool, activation:
     x = _ConvReLU(32, (8, 8), (4, 4), name="Conv_0")(x)
     x = _ConvReLU(64, (4, 4), (2, 2), name="Conv_1")(x)
     x = _ConvReLU(64, (3, 3), (1, 1), name="Conv_2")(x)
-    return _dense_relu(x, hidden_size, layer_norm, activation, kernel_init=_relu_init)
+    return _dense_layer(x, hidden_size, layer_norm, activation, kernel_init=_relu_init)
 
 
 class NatureCNN(nn.Module):
@@ -169,7 +169,7 @@ class CompactCNN(nn.Module):
             x = _centered_frames(x)
         for index, channels in enumerate(self.channels):
             x = _ConvReLU(channels, (4, 4), (2, 2), name=f"Conv_{index}")(x)
-        return _dense_relu(
+        return _dense_layer(
             x, self.hidden_size, self.layer_norm, self.activation, kernel_init=_relu_init
         )
 
@@ -200,7 +200,7 @@ class ImpalaResNet(nn.Module):
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
             x = _ResidualBlock(channels)(x)
             x = _ResidualBlock(channels)(x)
-        return _dense_relu(nn.relu(x), self.hidden_size, self.layer_norm, self.activation)
+        return _dense_layer(nn.relu(x), self.hidden_size, self.layer_norm, self.activation)
 
 
 def _unpack_bits(packed: jax.Array) -> jax.Array:

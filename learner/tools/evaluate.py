@@ -95,7 +95,6 @@ class FrameSample:
         self.limit = limit
         self.stride = 1
         self._step = 0
-        self._held = 0
         self._steps: list[Any] = []
 
     def __call__(self, observations: Any) -> None:
@@ -103,10 +102,9 @@ class FrameSample:
 
         if self._step % self.stride == 0:
             self._steps.append(np.array(observations))
-            self._held += len(observations)
-            if self._held >= 2 * self.limit:
+            # Every step holds one frame per env.
+            if len(self._steps) * len(observations) >= 2 * self.limit:
                 self._steps = self._steps[::2]
-                self._held = sum(len(step) for step in self._steps)
                 self.stride *= 2
         self._step += 1
 
