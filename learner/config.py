@@ -167,6 +167,14 @@ class LearnerConfig:
     """With entropy_cost_decay: the env steps over which the bonus reaches 0, when that
     should come before total_env_steps; 0 (or more than total_env_steps): at
     total_env_steps."""
+    entropy_floor: float = 0.0
+    """A floor under the policy's mean entropy, as a share of the uniform policy's (the log
+    of the number of actions): below it the loss pushes the entropy back up with weight
+    entropy_floor_cost, above it the floor weighs nothing. 0: no floor. Lets an entropy
+    bonus end early without the policy collapsing onto a few actions before it has
+    learned, which stalls it."""
+    entropy_floor_cost: float = 0.05
+    """Weight of the push back up to entropy_floor, per nat the entropy is under it."""
     reward_clipping: Literal["abs_one", "none"] = "abs_one"
     """Rewards for training: abs_one clips to [-1, 1]. Reported returns are always raw."""
     reward_scale: float = 1.0
@@ -266,6 +274,11 @@ class LearnerConfig:
         require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
         require(self.total_env_steps > 0, "total_env_steps must be positive")
         require(self.entropy_decay_env_steps >= 0, "entropy_decay_env_steps must not be negative")
+        require(
+            0.0 <= self.entropy_floor < 1.0,
+            "entropy_floor is a share of the uniform policy's entropy, in [0, 1)",
+        )
+        require(self.entropy_floor_cost >= 0.0, "entropy_floor_cost must not be negative")
         require(
             self.learning_rate_decay_env_steps >= 0,
             "learning_rate_decay_env_steps must not be negative",

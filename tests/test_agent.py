@@ -486,6 +486,80 @@ def test_a_decaying_entropy_bonus_weighs_less_as_the_updates_count_up():
     assert weights[100, 200] == 0.0  # not below 0 past the end
 
 
+def one_action_pays_batch(rng, steps=21, batch=8):
+    """Random actions of 2, and a reward of 1 for every transition that took action 0."""
+    actions = rng.integers(0, 2, (steps, batch)).astype(np.int32)
+    rewards = np.zeros((steps, batch), np.float32)
+    rewards[1:] = actions[:-1] == 0  # the reward of transition t is stored at t + 1
+    return learning.Trajectories(
+        observations=rng.normal(size=(steps, batch, 3)).astype(np.float32),
+        actions=actions,
+        behaviour_log_probs=np.full((steps, batch), np.log(0.5), np.float32),
+        rewards=rewards,
+        terminated=np.zeros((steps, batch), bool),
+        truncated=np.zeros((steps, batch), bool),
+    )
+
+
+def test_the_entropy_floor_holds_a_policy_that_one_action_pays_off_collapsing():
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    params = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
+    optimizer = learning.make_optimizer("adam", 3e-2, max_grad_norm=40.0, epsilon=1e-8)
+    uniform = float(np.log(2))
+    entropies = {}
+    # A weight of 5, not the default 0.05: this batch's advantages are about 1, a hundred
+    # times Pong's, so the policy gradient's pull is too.
+    for floor in (0.0, 0.8):
+        settings = SETTINGS._replace(entropy_cost=0.0, entropy_floor=floor, entropy_floor_cost=5.0)
+        update = learning.make_update_fn(make_agent(network), optimizer, settings)
+        state = learning.TrainState(params, optimizer.init(params), jnp.int32(0))
+        rng = np.random.default_rng(5)
+        for _ in range(300):
+            state, metrics = update(state, one_action_pays_batch(rng))
+        entropies[floor] = float(metrics["entropy"])
+    assert entropies[0.0] < 0.3 * uniform  # the policy gradient alone collapses it
+    assert entropies[0.8] == pytest.approx(0.8 * uniform, abs=0.05 * uniform)
+
+
+def test_above_its_floor_the_entropy_weighs_only_its_bonus():
+    rng = np.random.default_rng(6)
+    batch = one_action_pays_batch(rng)
+    network = make_network("mlp", num_actions=2, mlp_hidden_sizes=(16,))
+    fresh = network.init(jax.random.key(0), np.zeros((1, 3), np.float32))
+    # The logits' kernel and bias (the leaves with one column per action) scaled up: a
+    # sharper policy than a fresh one, whose logits start near 0.
+    params = jax.tree.map(lambda x: 150.0 * x if x.shape[-1:] == (2,) else x, fresh)
+    agent = make_agent(network)
+    plain = learning.loss_fn(params, agent, batch, SETTINGS)[1][0]
+    entropy = float(plain["entropy"])  # every transition is real: no episode ends here
+    assert 0.3 * np.log(2) < entropy < 0.9 * np.log(2)
+    below = learning.loss_fn(params, agent, batch, SETTINGS._replace(entropy_floor=0.3))[1][0]
+    assert float(below["entropy_loss"]) == float(plain["entropy_loss"])
+    # A floor above the policy's entropy adds its shortfall, in nats, times its weight.
+    above = SETTINGS._replace(entropy_floor=0.95, entropy_floor_cost=2.0)
+    raised = learning.loss_fn(params, agent, batch, above)[1][0]
+    shortfall = 0.95 * np.log(2) - entropy
+    assert float(raised["entropy_loss"]) == pytest.approx(
+        float(plain["entropy_loss"]) + 2.0 * shortfall, rel=1e-5
+    )
+
+
+def test_the_entropy_floor_is_a_share_of_the_uniform_policys_entropy():
+    import dataclasses
+
+    from learner.config import LearnerConfig
+    from learner.training.settings import loss_settings
+
+    config = LearnerConfig(entropy_floor=0.6, entropy_floor_cost=0.1)
+    settings = loss_settings(config)
+    assert (settings.entropy_floor, settings.entropy_floor_cost) == (0.6, 0.1)
+    for floor in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="entropy_floor is a share"):
+            dataclasses.replace(config, entropy_floor=floor)
+    with pytest.raises(ValueError, match="entropy_floor_cost"):
+        dataclasses.replace(config, entropy_floor_cost=-1.0)
+
+
 def test_the_entropy_bonus_decays_over_the_updates_the_env_steps_buy():
     import dataclasses
 

@@ -33,7 +33,13 @@ RECORD_GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ("loss", "Total V-trace loss.", "loss", 1),
     ("policy_loss", "Policy-gradient loss.", "policy_loss", 1),
     ("baseline_loss", "Value (baseline) loss.", "baseline_loss", 1),
-    ("entropy_loss", "Entropy loss (minus entropy cost times entropy).", "entropy_loss", 1),
+    (
+        "entropy_loss",
+        "Entropy loss (minus the bonus times the entropy, plus any shortfall under the floor "
+        "times its weight).",
+        "entropy_loss",
+        1,
+    ),
     ("policy_entropy_nats", "Mean entropy of the policy.", "entropy", 1),
     ("gradient_norm", "Global gradient norm before clipping.", "grad_norm", 1),
     ("learning_rate", "Current learning rate.", "learning_rate", 1),

@@ -74,6 +74,10 @@ class LossSettings(NamedTuple):
     """Advantages scaled to zero mean and unit variance over each batch."""
     entropy_decay_updates: int = 0
     """Updates over which entropy_cost decays linearly to 0; 0: constant."""
+    entropy_floor: float = 0.0
+    """The floor under the mean entropy, as a share of the uniform policy's; 0: none."""
+    entropy_floor_cost: float = 0.0
+    """Weight of the floor's hinge, per nat under it."""
 
 
 class TrainState(NamedTuple):
@@ -219,6 +223,12 @@ def loss_fn(
     entropy = -jnp.sum(jnp.exp(log_policy) * log_policy, axis=-1)
     entropy_mean = jnp.sum(entropy * mask) / count
     entropy_loss = -entropy_cost(settings, updates) * entropy_mean
+    if settings.entropy_floor:
+        # A hinge, not a bonus: above the floor the policy gradient alone sets the entropy.
+        # Over this device's real transitions (on several devices, its share's mean).
+        floor = settings.entropy_floor * float(np.log(logits.shape[-1]))
+        shortfall = jax.nn.relu(floor - _masked_mean(entropy, mask))
+        entropy_loss = entropy_loss + settings.entropy_floor_cost * shortfall
     total = policy_loss + settings.baseline_cost * baseline_loss + entropy_loss
     metrics = {
         "loss": total,
