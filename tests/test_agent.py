@@ -487,18 +487,13 @@ def test_a_decaying_entropy_bonus_weighs_less_as_the_updates_count_up():
 
 
 def one_action_pays_batch(rng, steps=21, batch=8):
-    """Random actions of 2, and a reward of 1 for every transition that took action 0."""
-    actions = rng.integers(0, 2, (steps, batch)).astype(np.int32)
-    rewards = np.zeros((steps, batch), np.float32)
-    rewards[1:] = actions[:-1] == 0  # the reward of transition t is stored at t + 1
-    return learning.Trajectories(
-        observations=rng.normal(size=(steps, batch, 3)).astype(np.float32),
-        actions=actions,
-        behaviour_log_probs=np.full((steps, batch), np.log(0.5), np.float32),
-        rewards=rewards,
-        terminated=np.zeros((steps, batch), bool),
-        truncated=np.zeros((steps, batch), bool),
-    )
+    """Random actions of 2, no episode ends, and a reward of 1 for every transition that
+    took action 0."""
+    batch = random_batch(rng, steps, batch)
+    rewards = np.zeros_like(batch.rewards)
+    rewards[1:] = batch.actions[:-1] == 0  # the reward of transition t is stored at t + 1
+    no_end = np.zeros_like(batch.terminated)
+    return batch._replace(rewards=rewards, terminated=no_end, truncated=no_end)
 
 
 def test_the_entropy_floor_holds_a_policy_that_one_action_pays_off_collapsing():
